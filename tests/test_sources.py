@@ -1,0 +1,454 @@
+"""Tests for data_prep.sources (conversation loading / normalization / splitting)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+
+from data_prep import sources
+from data_prep.sources import (
+    Conversation,
+    DataError,
+    LoadStats,
+    iter_records,
+    load_conversations,
+    normalize_record,
+    sharegpt_path,
+    split_conversations,
+)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def sg(id_, *turns):
+    """ShareGPT record from (from, value) pairs."""
+    return {"id": id_, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+GOOD = [
+    sg("a", ("human", "hi"), ("gpt", "hello")),
+    sg("b", ("human", "2+2?"), ("gpt", "4"), ("human", "and 3+3?"), ("gpt", "6")),
+    sg("c", ("system", "be brief"), ("human", "q"), ("gpt", "a")),
+    sg("d", ("human", "héllo ☃ 😀"), ("gpt", "ünïcödé\nline")),
+]
+
+
+def write_array(path, records, indent=2):
+    path.write_text(json.dumps(records, indent=indent, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
+    return path
+
+
+def assert_well_formed(conv: Conversation):
+    msgs = conv.messages
+    assert isinstance(conv.id, str) and conv.id
+    assert msgs, conv
+    body = msgs[1:] if msgs[0]["role"] == "system" else msgs
+    assert body and len(body) % 2 == 0, [m["role"] for m in msgs]
+    for i, m in enumerate(body):
+        assert m["role"] == ("user" if i % 2 == 0 else "assistant"), [m["role"] for m in msgs]
+    for m in msgs:
+        assert set(m) == {"role", "content"}
+        assert isinstance(m["content"], str) and m["content"].strip()
+
+
+def check_accounting(stats: LoadStats):
+    if not stats.stopped_early:
+        assert stats.kept + sum(stats.skipped.values()) == stats.read, stats
+
+
+def norm(record, index=0):
+    fixed: dict[str, int] = {}
+    conv = normalize_record(record, index, fixed=fixed)
+    assert_well_formed(conv)
+    return conv, fixed
+
+
+# --------------------------------------------------------------------------- file formats
+
+def test_json_array_roundtrip(tmp_path):
+    p = write_array(tmp_path / "a.json", GOOD)
+    convs, st = load_conversations("test", path=str(p))
+    assert [c.id for c in convs] == ["a", "b", "c", "d"]
+    assert st.read == st.kept == 4 and not st.skipped and not st.truncated_tail
+    assert st.format == "json_array"
+    assert convs[3].messages == [{"role": "user", "content": "héllo ☃ 😀"},
+                                 {"role": "assistant", "content": "ünïcödé\nline"}]
+    assert convs[2].messages[0] == {"role": "system", "content": "be brief"}
+    assert "read 4, kept 4" in st.summary()
+
+
+@pytest.mark.parametrize("chunk", [3, 64, 1 << 20])
+def test_truncated_array_recovers_complete_records(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(sources, "_CHUNK_CHARS", chunk)
+    text = json.dumps(GOOD, indent=2, ensure_ascii=False)
+    cut = text.index('"id": "c"') + 12          # inside record 2
+    p = tmp_path / "cut.json"
+    p.write_text(text[:cut], encoding="utf-8")
+    convs, st = load_conversations("cut", path=str(p))
+    assert [c.id for c in convs] == ["a", "b"]
+    assert st.truncated_tail and st.read == 2
+    # the reported location is the byte offset / line where record 2 starts
+    start = text.index('{\n    "id": "c"')
+    assert f"byte {len(text[:start].encode())}" in st.truncated_at
+    assert f"line {text[:start].count(chr(10)) + 1}" in st.truncated_at
+    assert "truncated" in st.summary()
+    # plain iter_records reports it through stats too
+    st2 = LoadStats("x")
+    assert [i for i, _ in iter_records(p, stats=st2)] == [0, 1]
+    assert st2.truncated_tail
+
+
+def test_truncation_at_every_offset_of_a_record(tmp_path):
+    recs = GOOD[:1] + [{"id": "x", "flag": True, "none": None, "n": -12.5e3,
+                        "conversations": [{"from": "human", "value": "hello \u00e9 \\ \""},
+                                          {"from": "gpt", "value": "ok"}]}]
+    text = json.dumps(recs, indent=2, ensure_ascii=True)
+    first = text.index('{\n    "id": "x"')
+    last = text.rindex("}")  # end of record x
+    p = tmp_path / "t.json"
+    for pos in range(first, last):
+        p.write_text(text[:pos], encoding="utf-8")
+        convs, st = load_conversations("t", path=str(p), on_error="raise")
+        assert [c.id for c in convs] == ["a"] and st.truncated_tail, (pos, text[pos - 10:pos])
+    p.write_text(text[:last + 1])  # record complete, array not closed
+    convs, st = load_conversations("t", path=str(p))
+    assert [c.id for c in convs] == ["a", "x"] and st.truncated_tail
+
+
+def test_array_missing_closing_bracket(tmp_path):
+    text = json.dumps(GOOD, indent=2).rstrip()[:-1]  # drop the final ']'
+    p = tmp_path / "nobracket.json"
+    p.write_text(text)
+    convs, st = load_conversations("x", path=str(p))
+    assert len(convs) == 4 and st.truncated_tail
+
+
+def test_truncated_before_first_record_raises(tmp_path):
+    text = json.dumps(GOOD, indent=2)
+    p = tmp_path / "early.json"
+    p.write_text(text[:40])
+    with pytest.raises(DataError) as ei:
+        load_conversations("x", path=str(p))
+    msg = str(ei.value)
+    assert str(p) in msg and "byte 4" in msg and "record 0" in msg
+
+
+def test_corrupt_record_in_pretty_array(tmp_path):
+    text = json.dumps(GOOD, indent=2)
+    bad = text.replace('"id": "b"', '"id": "b" oops', 1)
+    p = tmp_path / "corrupt.json"
+    p.write_text(bad)
+    convs, st = load_conversations("x", path=str(p))
+    assert [c.id for c in convs] == ["a", "c", "d"]
+    assert st.skipped == {"bad_json": 1} and st.read == 4
+    with pytest.raises(DataError) as ei:
+        load_conversations("x", path=str(p), on_error="raise")
+    assert "record 1" in str(ei.value) and str(p) in str(ei.value) and ei.value.reason == "bad_json"
+    # minified: the next record cannot be located reliably -> error even in skip mode
+    p2 = tmp_path / "corrupt_min.json"
+    p2.write_text(json.dumps(GOOD).replace('"id": "b"', '"id": "b" oops', 1))
+    with pytest.raises(DataError, match="not pretty-printed"):
+        load_conversations("x", path=str(p2))
+
+
+def test_jsonl_with_malformed_line(tmp_path, caplog):
+    lines = [json.dumps(r) for r in GOOD[:2]] + ['{"id": "broken", "conversations": [}', "",
+                                                   json.dumps(GOOD[2])]
+    p = write_jsonl(tmp_path / "d.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+        convs, st = load_conversations("jl", path=str(p))
+    assert [c.id for c in convs] == ["a", "b", "c"]
+    assert st.skipped == {"bad_json": 1} and st.read == 4 and st.format == "jsonl"
+    assert any("line 3" in r.getMessage() for r in caplog.records)
+    check_accounting(st)
+    with pytest.raises(DataError) as ei:
+        load_conversations("jl", path=str(p), on_error="raise")
+    assert str(p) in str(ei.value) and "line 3" in str(ei.value)
+    assert ei.value.reason == "bad_json"
+
+
+def test_jsonl_detected_without_extension_and_truncated_tail(tmp_path):
+    text = "\n".join(json.dumps(r) for r in GOOD)
+    p = tmp_path / "lines.json"
+    p.write_text(text[:-10])  # last line cut, no trailing newline
+    convs, st = load_conversations("x", path=str(p))
+    assert st.format == "jsonl" and [c.id for c in convs] == ["a", "b", "c"] and st.truncated_tail
+
+
+def test_wrapper_object_and_single_record(tmp_path):
+    p = tmp_path / "wrap.json"
+    p.write_text(json.dumps({"version": 2, "data": GOOD}, indent=1))
+    convs, st = load_conversations("w", path=str(p))
+    assert len(convs) == 4 and st.format == "json_object[data]"
+    p2 = tmp_path / "wrap2.json"
+    p2.write_text(json.dumps({"meta": {"n": 4}, "my_dialogs": GOOD}))
+    convs, st = load_conversations("w", path=str(p2))
+    assert len(convs) == 4 and st.format == "json_object[my_dialogs]"
+    p3 = tmp_path / "one.json"
+    p3.write_text(json.dumps(GOOD[1], indent=2))
+    convs, st = load_conversations("w", path=str(p3))
+    assert [c.id for c in convs] == ["b"] and st.format == "json_record"
+    p4 = tmp_path / "wrapconv.json"  # wrapper key that is also a record key
+    p4.write_text(json.dumps({"conversations": GOOD}))
+    convs, st = load_conversations("w", path=str(p4))
+    assert len(convs) == 4
+
+
+def test_missing_empty_and_garbage_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        load_conversations("x", path=str(tmp_path / "nope.json"))
+    (tmp_path / "empty.json").write_text("  \n")
+    with pytest.raises(DataError, match="empty"):
+        load_conversations("x", path=str(tmp_path / "empty.json"))
+    (tmp_path / "garbage.json").write_text("\n\nhello world")
+    with pytest.raises(DataError) as ei:
+        load_conversations("x", path=str(tmp_path / "garbage.json"))
+    assert "garbage.json" in str(ei.value) and "byte 2, line 3" in str(ei.value)
+    write_jsonl(tmp_path / "allbad.jsonl", ["{nope", "[1,"])
+    with pytest.raises(DataError, match="no complete record"):
+        load_conversations("x", path=str(tmp_path / "allbad.jsonl"))
+    (tmp_path / "bin.json").write_bytes(b"[\xff\xfe]")
+    with pytest.raises(DataError, match="UTF-8"):
+        load_conversations("x", path=str(tmp_path / "bin.json"))
+    (tmp_path / "emptyarr.json").write_text("[]")
+    convs, st = load_conversations("x", path=str(tmp_path / "emptyarr.json"))
+    assert convs == [] and st.read == 0
+
+
+def test_max_conversations_is_lazy(tmp_path):
+    # 5 good records then garbage: asking for 3 must never reach the garbage
+    text = json.dumps([sg(f"r{i}", ("human", "q"), ("gpt", "a")) for i in range(5)], indent=2)
+    p = tmp_path / "lazy.json"
+    p.write_text(text[:-2] + ", THIS IS NOT JSON" + "x" * 10000)
+    convs, st = load_conversations("x", path=str(p), max_conversations=3)
+    assert [c.id for c in convs] == ["r0", "r1", "r2"] and st.stopped_early
+    assert load_conversations("x", path=str(p), max_conversations=0)[0] == []
+
+
+def test_source_argument(tmp_path):
+    p = write_array(tmp_path / "s.json", GOOD)
+    convs, st = load_conversations(str(p))
+    assert len(convs) == 4
+    with pytest.raises(ValueError, match="unknown conversation source"):
+        load_conversations("no_such_source")
+    with pytest.raises(ValueError, match="on_error"):
+        load_conversations(str(p), on_error="ignore")
+
+
+# --------------------------------------------------------------------------- normalization
+
+@pytest.mark.parametrize("raw,expected", [
+    ("human", "user"), ("user", "user"), ("prompter", "user"), (" Human ", "user"), ("USER", "user"),
+    ("gpt", "assistant"), ("GPT", "assistant"), ("assistant", "assistant"), ("chatgpt", "assistant"),
+    ("ChatGPT", "assistant"), ("bard", "assistant"), ("bing", "assistant"), ("model", "assistant"),
+    ("bot", "assistant"), ("Assistant\n", "assistant"),
+])
+def test_role_normalization(raw, expected):
+    if expected == "user":
+        rec = sg("r", (raw, "q"), ("gpt", "a"))
+    else:
+        rec = sg("r", ("human", "q"), (raw, "a"))
+    conv, fixed = norm(rec)
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"] and not fixed
+    sys_conv, _ = norm(sg("r", (" System", "s"), ("human", "q"), ("gpt", "a")))
+    assert sys_conv.messages[0] == {"role": "system", "content": "s"}
+
+
+def test_openai_messages_with_list_content():
+    rec = {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "sys"}]},
+        {"role": "user", "content": [{"type": "text", "text": "look at"},
+                                     {"type": "image_url", "image_url": {"url": "x"}},
+                                     {"type": "text", "text": "this"}]},
+        {"role": "assistant", "content": "nice", "tool_calls": None},
+    ]}
+    conv, fixed = norm(rec)
+    assert conv.messages == [{"role": "system", "content": "sys"},
+                             {"role": "user", "content": "look at\nthis"},
+                             {"role": "assistant", "content": "nice"}]
+    assert fixed == {"dropped_non_text_parts": 1}
+    assert conv.id.startswith("sha1:")
+
+
+def test_record_ids_are_deterministic():
+    base = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    assert norm({**base, "id": "x1"})[0].id == "x1"
+    assert norm({**base, "id": 17})[0].id == "17"
+    assert norm({**base, "question_id": "q9"})[0].id == "q9"
+    h1 = norm(base)[0].id
+    h2 = norm(json.loads(json.dumps(base)))[0].id
+    reordered = {"conversations": [{"value": "q", "from": "human"}, {"value": "a", "from": "gpt"}]}
+    assert h1 == h2 == norm(reordered)[0].id and h1.startswith("sha1:")
+    other = {"conversations": [{"from": "human", "value": "q2"}, {"from": "gpt", "value": "a"}]}
+    assert norm(other)[0].id != h1
+
+
+@pytest.mark.parametrize("record,reason", [
+    ([1, 2], "not_an_object"),
+    ("text", "not_an_object"),
+    (sg("e"), "no_turns"),
+    ({"id": "m", "text": "hi"}, "missing_field"),
+    ({"id": "m", "conversations": [{"from": "human"}]}, "missing_field"),
+    ({"id": "m", "conversations": [{"value": "x"}]}, "missing_field"),
+    ({"id": "m", "conversations": "hi"}, "bad_type"),
+    ({"id": "m", "conversations": ["hi"]}, "bad_type"),
+    ({"id": "m", "conversations": [{"from": "human", "value": 5}, {"from": "gpt", "value": "a"}]},
+     "bad_type"),
+    ({"id": "m", "conversations": [{"from": 1, "value": "q"}]}, "bad_type"),
+    ({"id": ["m"], "conversations": []}, "bad_type"),
+    (sg("u", ("human", "q"), ("tool", "{}"), ("gpt", "a")), "unknown_role"),
+    (sg("n", ("human", "q"), ("human", "q2")), "no_assistant_turn"),
+    (sg("n", ("system", "s"), ("human", "q"), ("gpt", " \n")), "no_assistant_turn"),
+    (sg("g", ("gpt", "a"), ("gpt", "b")), "no_user_turn"),
+    (sg("x", ("gpt", "a"), ("human", "q")), "no_exchange"),
+    (sg("z", ("human", ""), ("gpt", "  ")), "empty_content"),
+])
+def test_bad_records(record, reason):
+    with pytest.raises(DataError) as ei:
+        normalize_record(record, 7)
+    assert ei.value.reason == reason
+    assert isinstance(ei.value, ValueError) and "record 7" in str(ei.value)
+
+
+def test_unknown_role_skip_and_raise(tmp_path):
+    recs = GOOD[:2] + [sg("weird", ("human", "q"), ("Narrator", "secret content"), ("gpt", "a"))]
+    p = write_array(tmp_path / "u.json", recs)
+    convs, st = load_conversations("u", path=str(p))
+    assert len(convs) == 2 and st.skipped == {"unknown_role": 1}
+    with pytest.raises(DataError) as ei:
+        load_conversations("u", path=str(p), on_error="raise")
+    msg = str(ei.value)
+    for part in (str(p), "record 2", "'weird'", "conversations[1].from", "'Narrator'", "expected"):
+        assert part in msg, (part, msg)
+    assert "secret content" not in msg
+    assert ei.value.reason == "unknown_role" and ei.value.record_id == "weird"
+
+
+def test_skip_reasons_counted_in_load(tmp_path):
+    recs = GOOD + [sg("e"), sg("n", ("human", "q")), 42, {"id": "m"},
+                   sg("z", ("human", ""), ("gpt", ""))]
+    p = write_array(tmp_path / "mix.json", recs)
+    convs, st = load_conversations("mix", path=str(p))
+    assert st.kept == 4 and st.read == 9
+    assert st.skipped == {"no_turns": 1, "no_assistant_turn": 1, "not_an_object": 1,
+                          "missing_field": 1, "empty_content": 1}
+    check_accounting(st)
+    for c in convs:
+        assert_well_formed(c)
+
+
+def test_repairs_merge_trim_and_drop():
+    rec = sg("fix",
+             ("system", "s1"), ("system", "s2"),
+             ("gpt", "leading answer"),          # before the first user turn -> dropped
+             ("human", "q1"), ("human", "q1 more"),  # merged
+             ("gpt", ""),                        # empty -> dropped
+             ("gpt", "a1"),
+             ("system", "late"),                 # late system -> dropped
+             ("gpt", "a1 more"),                 # merged into a1
+             ("human", "q2"), ("gpt", "a2"),
+             ("human", "unanswered"))            # trailing user -> dropped
+    conv, fixed = norm(rec)
+    assert conv.messages == [
+        {"role": "system", "content": "s1\n\ns2"},
+        {"role": "user", "content": "q1\n\nq1 more"},
+        {"role": "assistant", "content": "a1\n\na1 more"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    assert fixed == {"merged_system": 1, "trimmed_leading_assistant": 1, "merged_turns": 2,
+                     "dropped_empty_turns": 1, "dropped_late_system": 1,
+                     "dropped_trailing_user": 1}
+
+
+def test_fixed_counts_reach_stats(tmp_path):
+    p = write_array(tmp_path / "f.json", [sg("a", ("gpt", "x"), ("human", "q"), ("gpt", "a"))])
+    convs, st = load_conversations("f", path=str(p))
+    assert st.fixed == {"trimmed_leading_assistant": 1} and "trimmed_leading_assistant=1" in st.summary()
+
+
+def test_logs_do_not_contain_content(tmp_path, caplog):
+    recs = [sg("a", ("human", "SECRET-Q"), ("gpt", "SECRET-A")), sg("b", ("human", "SECRET-2")),
+            sg("c", ("human", "q"), ("alien", "SECRET-3"))]
+    p = write_array(tmp_path / "priv.json", recs)
+    with caplog.at_level(logging.DEBUG, logger="data_prep.sources"):
+        load_conversations("priv", path=str(p))
+        split_conversations(load_conversations("priv", path=str(p))[0], 0.5)
+    assert caplog.records
+    assert not any("SECRET" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------------- split
+
+def _convs(ids):
+    return [Conversation(id=i, messages=[]) for i in ids]
+
+
+def test_split_deterministic_and_order_independent():
+    ids = [f"conv-{i}" for i in range(2000)]
+    tr, ho = split_conversations(_convs(ids), 0.1, seed=0)
+    assert len(tr) + len(ho) == 2000
+    assert 150 <= len(ho) <= 250  # ~200 expected (binomial sd ~13)
+    held = {c.id for c in ho}
+    # reversed order, and a subset: the same ids land in the same split
+    tr2, ho2 = split_conversations(_convs(ids[::-1]), 0.1, seed=0)
+    assert {c.id for c in ho2} == held
+    subset = ids[::7]
+    _, ho3 = split_conversations(_convs(subset), 0.1, seed=0)
+    assert {c.id for c in ho3} == held & set(subset)
+    # order preserved within each part
+    assert [c.id for c in tr] == [i for i in ids if i not in held]
+    # another seed gives another split
+    _, ho4 = split_conversations(_convs(ids), 0.1, seed=1)
+    assert {c.id for c in ho4} != held
+
+
+def test_split_duplicates_and_edges():
+    ids = [f"x{i}" for i in range(300)]
+    tr, ho = split_conversations(_convs(ids + ids), 0.5, seed=3)
+    assert len(tr) + len(ho) == 600
+    for part in (tr, ho):
+        names = [c.id for c in part]
+        assert all(names.count(n) == 2 for n in set(names))
+    assert split_conversations(_convs(ids), 0.0)[1] == []
+    assert split_conversations(_convs(ids), 1.0)[0] == []
+    with pytest.raises(ValueError):
+        split_conversations(_convs(ids), 1.5)
+
+
+# --------------------------------------------------------------------------- embedded ShareGPT
+
+def test_sharegpt_first_300_fast():
+    t0 = time.perf_counter()
+    convs, st = load_conversations("sharegpt", max_conversations=300)
+    dt = time.perf_counter() - t0
+    assert st.kept == 300 == len(convs) and st.stopped_early
+    assert st.path == sharegpt_path() and st.format == "json_array"
+    assert st.read < 400 and not st.truncated_tail
+    assert dt < 5.0, dt
+    for c in convs:
+        assert_well_formed(c)
+    assert len({c.id for c in convs}) == 300
+
+
+@pytest.mark.slow
+def test_sharegpt_full_file():
+    t0 = time.perf_counter()
+    convs, st = load_conversations("sharegpt")
+    dt = time.perf_counter() - t0
+    print(f"\nfull ShareGPT load: {dt:.2f}s\n{st.summary()}")
+    assert st.truncated_tail
+    assert abs(st.read - 17671) <= 20, st.read
+    assert st.skipped.get("no_turns", 0) >= 100
+    assert st.kept == len(convs) > 17000
+    check_accounting(st)
+    for c in convs[::50]:
+        assert_well_formed(c)
