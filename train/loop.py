@@ -188,7 +188,7 @@ class Trainer:
 
     def __init__(self, cfg: Any, accelerator: Any, objective: nn.Module, train_data: Any, collate: Callable,
                  out_dir: Path, checkpoint_extra: dict[str, Any] | None = None,
-                 on_log: Callable[[int, dict], dict] | None = None):
+                 evaluate: Callable[[int], dict] | None = None):
         self.cfg = cfg
         self.acc = accelerator
         self.objective = objective
@@ -196,7 +196,7 @@ class Trainer:
         self.collate = collate
         self.out_dir = Path(out_dir)
         self.extra = checkpoint_extra or {}
-        self.on_log = on_log
+        self.evaluate = evaluate  # held-out metrics every train.eval_every steps and before the final save
         t, o = cfg.train, cfg.optim
         self.max_steps = int(t.max_steps)
         self.accum = int(t.grad_accum)
@@ -363,8 +363,9 @@ class Trainer:
                 row["step"] = self.step
                 row["epoch"] = round(self.batches.epoch_of(self.step), 4)
                 row["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
-                if self.on_log is not None:
-                    row.update(self.on_log(self.step, row) or {})
+                ev = int(t.get("eval_every") or 0)
+                if self.evaluate is not None and ev > 0 and self.step % ev == 0 and self.step < self.max_steps:
+                    row.update(self.evaluate(self.step))
                 window = []
                 self.history.append(row)
                 if acc.is_main_process:
@@ -376,6 +377,13 @@ class Trainer:
                 self.save_checkpoint()
         bar.close()
         elapsed = time.perf_counter() - t0
+        if self.evaluate is not None and self.step == self.max_steps:
+            final_eval = self.evaluate(self.step)
+            if self.history:
+                self.history[-1].update(final_eval)
+            if acc.is_main_process:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps({"step": self.step, **final_eval}) + "\n")
         ckpt = self.save_checkpoint()
         final_dir = self.out_dir / "final"
         if acc.is_main_process and self.step == self.max_steps:
