@@ -1,7 +1,7 @@
 """Acceptance eval: τ (mean accepted + 1 per target forward) overall, per category and per depth,
 tokens/s, and (optionally) a token-by-token check against plain greedy decoding.
 
-    python eval/acceptance.py head=runs/medusa-.../final [questions=path/to/mt_bench.jsonl]
+    python eval/acceptance.py checkpoint=runs/medusa-.../final [questions=path/to/mt_bench.jsonl]
 
 With ``questions=null`` the held-out split of ``data`` (prepared by data_prep) is the question set.
 """
@@ -116,7 +116,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     else:  # the held-out split of the configured data (prepared on demand, cached)
         qfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
     questions = load_questions(qfile, cfg.max_questions)
-    drafter, desc = build_drafter(cfg.drafter, target, cfg.head, cfg.tree, target.dtype,
+    drafter, desc = build_drafter(cfg.drafter, target, cfg.checkpoint, cfg.tree, target.dtype,
                                   bool(cfg.allow_target_mismatch), int(cfg.untrained_heads))
     max_depth = int(desc.get("tree_depth", 0))
     # ---- loop

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from eval.generate import DraftTree, NoDrafter
-from eval.trees import StaticTree, ancestor_mask, default_tree, static_tree
+from eval.trees import StaticTree, ancestor_mask, default_tree, generic_accuracies, static_tree
 from heads.checkpoint import read_head
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget
@@ -64,7 +64,7 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
     if kind in ("medusa", "medusa-init"):
         if kind == "medusa":
             if not head:
-                raise ValueError("drafter=medusa needs head=<checkpoint dir>")
+                raise ValueError("drafter=medusa needs checkpoint=<head dir>")
             heads = MedusaHeads.from_pretrained(head, target, allow_target_mismatch).to(target.device)
             stats = read_head(head)[0].get("rank_accuracy")
         else:  # identity-initialized heads: the untrained reference
@@ -82,5 +82,8 @@ def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[Stat
         return static_tree(tree_cfg.paths), "custom"
     depth = min(num_heads, int(tree_cfg.get("max_depth") or num_heads))
     if rank_accuracy is not None and tree_cfg.get("tuned", True):
-        return default_tree(depth, int(tree_cfg.size), rank_accuracy[:depth]), "tuned"
+        # A tiny generic prior breaks ties (and fills in ranks never hit on a small held-out set).
+        prior = generic_accuracies(depth, len(rank_accuracy[0]))
+        acc = [[a + 1e-4 * p for a, p in zip(row, prow)] for row, prow in zip(rank_accuracy[:depth], prior)]
+        return default_tree(depth, int(tree_cfg.size), acc), "tuned"
     return default_tree(depth, int(tree_cfg.size)), "generic"

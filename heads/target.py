@@ -274,7 +274,8 @@ class FrozenTarget(nn.Module):
 
 
 def _fingerprint(model: nn.Module) -> str:
-    w = model.get_output_embeddings().weight.detach().to("cpu", torch.float32).contiguous()
+    """Hash of the lm_head rounded to bf16, so fp32 and bf16 loads of the same weights agree."""
+    w = model.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16).to(torch.float32).contiguous()
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
 
 

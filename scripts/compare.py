@@ -1,0 +1,39 @@
+"""Print eval result JSONs side by side: python scripts/compare.py a.json b.json [...] [--md]"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(p: str) -> dict:
+    return json.loads(Path(p).read_text())
+
+
+def table(paths: list[str], markdown: bool = False) -> str:
+    res = [load(p) for p in paths]
+    names = [r["drafter"].get("label") or r["drafter"]["drafter"] for r in res]
+    cats = sorted({c for r in res for c in r["summary"]["per_category"]})
+    rows = [["category"] + names]
+    for c in cats:
+        rows.append([c] + [f"{r['summary']['per_category'][c]['tau']:.3f}" if c in r["summary"]["per_category"]
+                           else "-" for r in res])
+    rows.append(["overall τ"] + [f"{r['summary']['tau']:.3f}" for r in res])
+    rows.append(["tokens/s"] + [f"{r['summary']['tokens_per_s']:.1f}" for r in res])
+    rows.append(["tree nodes"] + [str(r["drafter"].get("tree_size", 1)) for r in res])
+    depth = max(len(r["summary"]["accept_at_depth"]) for r in res)
+    for d in range(depth):
+        rows.append([f"accept@{d + 1}"] + [f"{r['summary']['accept_at_depth'][d]:.3f}"
+                                           if d < len(r["summary"]["accept_at_depth"]) else "-" for r in res])
+    if markdown:
+        out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+        return "\n".join(out)
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(x.ljust(w[i]) for i, x in enumerate(r)) for r in rows)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--md"]
+    print(table(args, markdown="--md" in sys.argv))

@@ -1,0 +1,43 @@
+"""Integration on the embedded SmolLM2-135M target: prepare a ShareGPT slice, train a few steps,
+evaluate with the acceptance job (greedy speculative == plain greedy in fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, compose
+
+
+@pytest.mark.integration
+def test_smollm2_prepare_train_eval(tmp_path):
+    out = tmp_path / "run"
+    cfg = compose("medusa", [
+        "data=sharegpt_small", "data.max_conversations=40", "data.max_length=128",
+        f"data.cache_dir={tmp_path / 'data'}", f"out_dir={out}", "logging.wandb=disabled",
+        "train.device=cpu", "train.batch_size=2", "train.max_steps=3", "train.log_every=1",
+        "train.save_every=0", "train.eval_tokens=500", "head.share_lm_head=true", "optim.lr=1e-3",
+        "optim.warmup_steps=0"])
+    from train.medusa import main as train_main
+
+    summary = train_main(cfg)
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 3 and all(l == l and 0 < l < 100 for l in losses)
+    assert summary["steps"] == 3
+    ckpt = json.loads((out / "final" / "config.json").read_text())
+    assert ckpt["target"]["name"] == "smollm2-135m" and ckpt["target"]["vocab_size"] == 49152
+    assert ckpt["target"]["revision"].startswith("gguf-sha256:")
+
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Name three colors.",
+                                                                                   "Now two more."]}) + "\n")
+    from eval.acceptance import main as eval_main
+
+    ecfg = compose("eval", [f"checkpoint={out / 'final'}", f"questions={qfile}", "max_new_tokens=24",
+                            "target.dtype=fp32", "compare_plain=true", f"out={tmp_path / 'eval.json'}",
+                            "tree.size=16"])
+    res = eval_main(ecfg)
+    assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 2
+    assert res["summary"]["tau"] >= 1.0
