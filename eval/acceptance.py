@@ -83,12 +83,15 @@ def run_questions(target, drafter, questions, cfg, desc: str = "eval", reference
     tok = target.tokenizer
     eos = {tok.eos_token_id} | set(cfg.get("extra_eos_ids") or [])
     gen = torch.Generator().manual_seed(int(cfg.seed))
-    rows, outputs = [], {}
+    rows, outputs, skipped = [], {}, []
     for q in tqdm(questions, desc=desc, unit="q", mininterval=2.0):
         msgs = [{"role": "system", "content": q["system"]}] if q.get("system") else []
         for ti, turn in enumerate(q["turns"][: int(cfg.max_turns)]):
             msgs.append({"role": "user", "content": turn})
             ids = prompt_ids(tok, msgs)
+            if cfg.max_prompt_tokens and len(ids) > int(cfg.max_prompt_tokens):
+                skipped.append({"question_id": q["question_id"], "turn": ti, "prompt_tokens": len(ids)})
+                break  # later turns would be longer still
             res: GenResult = generate(target, drafter, ids, int(cfg.max_new_tokens), eos, mode=cfg.mode,
                                       sampling={"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k},
                                       generator=gen)
@@ -101,8 +104,10 @@ def run_questions(target, drafter, questions, cfg, desc: str = "eval", reference
                    "draft_seconds": res.draft_seconds, "bookkeeping_seconds": res.bookkeeping_seconds,
                    "stopped": res.stopped}
             if reference is not None:
-                row["first_divergence"] = first_divergence(res.tokens, reference[(q["question_id"], ti)])
+                row["first_divergence"] = first_divergence(res.tokens, reference.get((q["question_id"], ti), []))
             rows.append(row)
+    if skipped:
+        log.warning("skipped %d turns with prompts over %d tokens", len(skipped), cfg.max_prompt_tokens)
     return rows, outputs
 
 

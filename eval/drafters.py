@@ -1,4 +1,5 @@
-"""Drafters for the generation loop: Medusa heads (static tree), and a factory from checkpoints."""
+"""Drafters for the generation loop: Medusa heads (static tree), and a factory from checkpoints
+(EAGLE drafts live in eval/eagle_drafter.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,12 @@ class MedusaDrafter:
         assert self.h is not None
         K = self.tree.max_depth
         h = self.h.to(next(self.heads.parameters(), self.h).dtype)
-        cands = torch.stack([self.heads.project(k, self.heads.head_hidden(k, h)).topk(self.topk).indices
-                             for k in range(K)])  # [K, topk]
+        hk = torch.stack([self.heads.head_hidden(k, h) for k in range(K)])  # [K, H]
+        if self.heads.lm_heads is None:  # one [K, H] x [H, V] product reads the shared weight once
+            logits = self.heads.project(0, hk)  # [K, V]
+        else:
+            logits = torch.stack([self.heads.project(k, hk[k]) for k in range(K)])  # [K, V]
+        cands = logits.topk(self.topk, dim=-1).indices  # [K, topk]
         tokens = torch.cat([torch.tensor([root], device=cands.device), cands.view(-1)[self._flat.to(cands.device)]])
         return DraftTree(tokens.cpu(), self.tree.parents, None, self.tree.depths, self.mask)
 
@@ -61,7 +66,13 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
         kind = checkpoint_family(head) if head else "plain"
     if kind == "plain":
         return NoDrafter(), {"drafter": "plain"}
+    if kind == "eagle":
+        from eval.eagle_drafter import build_eagle_drafter
+
+        return build_eagle_drafter(target, head, tree_cfg, dtype, allow_target_mismatch)
     if kind in ("medusa", "medusa-init"):
+        if (tree_cfg.get("kind") or "auto") not in ("auto", "static"):
+            raise ValueError(f"Medusa heads draft static trees only; got tree.kind={tree_cfg.get('kind')!r}")
         if kind == "medusa":
             if not head:
                 raise ValueError("drafter=medusa needs checkpoint=<head dir>")
@@ -73,7 +84,7 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
         tree, source = medusa_tree(tree_cfg, heads.config.num_heads, stats)
         return MedusaDrafter(heads, tree, dtype), {
             "drafter": kind, "head": head, "tree_size": tree.size, "tree_depth": tree.max_depth, "tree_source": source}
-    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa or medusa-init")
+    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa, medusa-init or eagle")
 
 
 def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -137,3 +137,78 @@ def generic_accuracies(num_heads: int, top_k: int = 10) -> list[list[float]]:
 def default_tree(num_heads: int, size: int = 64, acc: Sequence[Sequence[float]] | None = None) -> StaticTree:
     """The default static tree: tuned to measured per-rank accuracies when given, else generic."""
     return tree_from_accuracies(acc if acc is not None else generic_accuracies(num_heads), size)
+
+
+# --------------------------------------------------------------------------------------------
+# EAGLE-2 dynamic trees
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree grown from the drafter's own confidence; nodes in breadth-first order (parents first)."""
+
+    tokens: torch.Tensor  # [N] long, tokens[0] = root
+    parents: torch.Tensor  # [N] long, parents[0] = -1
+    depths: torch.Tensor  # [N] long
+    scores: torch.Tensor  # [N] float, cumulative draft log-probability of the path (root 0)
+    candidates: tuple[int, ...]  # candidate id (in expansion order) of every node, for the caller's bookkeeping
+
+
+ChildrenFn = Callable[[list[int], list[int], list[int], list[int]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def dynamic_tree(root: int, children: ChildrenFn, top_k: int = 10, depth: int = 6, nodes: int = 60) -> DynamicTree:
+    """EAGLE-2's tree: expand the best ``top_k`` nodes per depth, keep the best ``nodes`` overall.
+
+    Candidates are numbered in creation order (0 = root). ``children(frontier, tokens, parents, depths)``
+    gets the candidate ids to expand plus the candidate lists so far and returns ``(tokens [F, k],
+    logprobs [F, k])``: each frontier node's k most likely next tokens, best first. A candidate's score
+    is the sum of log-probabilities along its path (the draft's estimate of the chance that the whole
+    path is accepted). Depth 1 expands the root; depth d+1 expands the ``top_k`` best depth-d candidates.
+    Finally the ``nodes`` best candidates (root excluded) are kept. Log-probabilities are ≤ 0, so a
+    child never outscores its parent, and ties go to the shallower, earlier candidate: the kept set is
+    closed under taking parents, i.e. it is a tree.
+    """
+    if top_k < 1 or depth < 1 or nodes < 1:
+        raise ValueError(f"dynamic tree needs top_k, depth and nodes >= 1, got {top_k}, {depth}, {nodes}")
+    tokens, parents, depths, scores = [int(root)], [-1], [0], [0.0]
+    frontier = [0]
+    for d in range(1, depth + 1):
+        tok, lp = children(frontier, tokens, parents, depths)  # [F, k]
+        assert tok.shape == lp.shape and tok.shape[0] == len(frontier), (tok.shape, lp.shape, len(frontier))
+        tok_l, lp_l = tok.tolist(), lp.double().tolist()
+        new = []
+        for i, f in enumerate(frontier):
+            for t, v in zip(tok_l[i], lp_l[i]):
+                new.append(len(tokens))
+                tokens.append(int(t))
+                parents.append(f)
+                depths.append(d)
+                scores.append(scores[f] + min(float(v), 0.0))
+        if d == depth or not new:
+            break
+        frontier = sorted(new, key=lambda c: (-scores[c], c))[:top_k]
+    order = sorted(range(1, len(tokens)), key=lambda c: (-scores[c], depths[c], c))[:nodes]
+    kept = [0] + sorted(order, key=lambda c: (depths[c], c))  # breadth-first, siblings best first
+    index = {c: i for i, c in enumerate(kept)}
+    for c in kept[1:]:
+        assert parents[c] in index, "kept set not closed under parents"
+    return DynamicTree(
+        tokens=torch.tensor([tokens[c] for c in kept], dtype=torch.long),
+        parents=torch.tensor([-1] + [index[parents[c]] for c in kept[1:]], dtype=torch.long),
+        depths=torch.tensor([depths[c] for c in kept], dtype=torch.long),
+        scores=torch.tensor([scores[c] for c in kept], dtype=torch.float64),
+        candidates=tuple(kept))
+
+
+def tree_inputs(parents: torch.Tensor, prefix_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification inputs for a tree on top of ``prefix_len`` cached tokens.
+
+    Returns the attention mask [N, prefix_len + N] (True = attend: the whole prefix, then the node's
+    ancestors and itself) and position ids [N] = prefix_len + depth. This is what
+    eval.generate.generate feeds the target for a tree step.
+    """
+    n = int(parents.numel())
+    full = torch.ones(n, prefix_len + n, dtype=torch.bool)
+    full[:, prefix_len:] = ancestor_mask(parents)
+    return full, prefix_len + depths_of(parents)

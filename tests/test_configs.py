@@ -11,7 +11,8 @@ from conftest import CONF, compose
 
 PRIMARY = sorted(p.stem for p in CONF.glob("*.yaml"))
 GROUPS = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in CONF.iterdir()
-          if d.is_dir() and d.name != "launch"}
+          if d.is_dir() and d.name not in ("launch", "experiment")}
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
 def _defaults(name: str) -> list:
@@ -40,6 +41,13 @@ def test_every_group_option_composes(primary, group, option):
         overrides.append("data.path=/some/file.jsonl")
     cfg = compose(primary, overrides)
     assert group in cfg
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_configs_compose(name):
+    primary = name.split("_")[0]  # medusa_full -> medusa.yaml
+    cfg = compose(primary, [f"+experiment={name}"])
+    assert cfg.run_name
 
 
 def _yaml_files() -> list[Path]:

@@ -1,0 +1,195 @@
+"""EAGLE drafting for the generation loop: autoregressive on features, with the draft's own KV cache.
+
+Bookkeeping (cur = tokens in the target's cache, the root x_cur is the last accepted token):
+
+* The draft's cache holds one *committed* entry per position t < cur, computed from the pair
+  (f_t, x_{t+1}) with the target's true feature f_t. Pairs whose token or feature was not known yet
+  are *pending*: after the prefill, (f_0, x_1) … (f_{cur-1}, root); after a step, the accepted path's
+  features with their successors, ending with the target's own next token (the new root).
+* ``propose`` first commits the pending pairs in one forward; its last output h_cur (the predicted
+  f_cur) gives the depth-1 candidates. Expanding a depth-d node c feeds (h of c's parent, c) at
+  position cur+d-1; these tree entries attend to the committed cache plus their own ancestors.
+* After building the tree the cache is cropped back to the committed entries: tree entries used
+  predicted features, and the accepted tokens are re-committed with the target's real features on
+  the next call (what EAGLE does). So the draft's cache always equals a fresh prefill of the accepted
+  sequence — tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from eval.generate import DraftTree, keep_cache_positions
+from eval.trees import StaticTree, ancestor_mask, chain, default_tree, dynamic_tree, static_tree
+from heads.eagle import EagleDraft
+from heads.target import FrozenTarget
+
+TREE_KINDS = ("dynamic", "static", "chain")
+
+
+@dataclass
+class EagleTreeConfig:
+    """How the EAGLE drafter shapes its tree (mirrors conf/eval.yaml ``tree``)."""
+
+    kind: str = "dynamic"  # dynamic (EAGLE-2) | static (rank paths) | chain (top-1 only)
+    top_k: int = 10  # dynamic: children per expanded node and nodes expanded per depth
+    depth: int = 6  # dynamic/chain/generic static: maximum draft depth
+    nodes: int = 60  # dynamic/generic static: drafted nodes kept (the target verifies nodes + 1 tokens)
+    paths: Any = None  # static: custom rank paths, e.g. [[0], [1], [0, 0]]
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> "EagleTreeConfig":
+        cfg = cfg or {}
+        kind = cfg.get("kind") or "auto"
+        kind = "dynamic" if kind == "auto" else kind
+        if kind not in TREE_KINDS:
+            raise ValueError(f"tree.kind must be auto, {', '.join(TREE_KINDS)} for EAGLE, got {kind!r}")
+        out = cls(kind=kind, top_k=int(cfg.get("top_k") or 10), depth=int(cfg.get("depth") or 6),
+                  nodes=int(cfg.get("nodes") or 60), paths=cfg.get("paths"))
+        if min(out.top_k, out.depth, out.nodes) < 1:
+            raise ValueError(f"tree.top_k, tree.depth and tree.nodes must be >= 1, got {out.top_k}, {out.depth}, "
+                             f"{out.nodes}")
+        return out
+
+    def static(self) -> StaticTree:
+        if self.kind == "chain":
+            return chain(self.depth)
+        if self.paths:
+            return static_tree(self.paths)
+        return default_tree(self.depth, self.nodes + 1)
+
+
+class EagleDrafter:
+    """Drafter protocol (eval.generate) for an EAGLE draft; dynamic (EAGLE-2) or static trees."""
+
+    def __init__(self, draft: EagleDraft, tree: EagleTreeConfig | None = None, dtype: torch.dtype | None = None):
+        self.draft = draft.eval()
+        if dtype is not None:
+            self.draft.cast(dtype)
+        self.tree_cfg = tree or EagleTreeConfig()
+        self.static = None if self.tree_cfg.kind == "dynamic" else self.tree_cfg.static()
+        self.feature_layer = draft.config.resolved_layer
+        self.layers = (self.feature_layer,)  # what generate() must hand us from the target
+        self.cache: Any = None
+        self.committed = 0  # committed entries in self.cache (= positions 0..committed-1)
+        self._pend_f: torch.Tensor | None = None  # [m, H] pending features
+        self._pend_x: torch.Tensor | None = None  # [m-1] pending next tokens (the root completes them)
+
+    @property
+    def device(self) -> torch.device:
+        return self.draft.fc.weight.device
+
+    # ------------------------------------------------------------------ protocol
+    def begin(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.draft.layer_config)
+        self.committed = 0
+        self._pend_f = hidden[self.feature_layer]  # [T, H]
+        self._pend_x = prompt_ids.view(-1)[1:].to(self.device)  # [T-1]
+
+    @torch.no_grad()
+    def propose(self, root: int, sampling: Any, generator: Any) -> DraftTree:
+        h_root = self._commit(root)  # [H] predicted f_cur
+        self._h = {0: h_root}  # node/candidate id -> draft output after it
+        self._entry: dict[int, int] = {}  # node/candidate id -> its tree entry in the cache
+        if self.static is None:
+            c = self.tree_cfg
+            t = dynamic_tree(root, self._children, c.top_k, c.depth, c.nodes)
+            tokens, parents, depths = t.tokens, t.parents, t.depths
+        else:
+            tokens, parents, depths = self._static_tree(root)
+        if self._entry:  # drop the tree entries: only real features stay committed
+            keep_cache_positions(self.cache, torch.arange(self.committed, device=self.device))
+        return DraftTree(tokens.cpu(), parents.cpu(), None, depths.cpu(), ancestor_mask(parents.cpu()))
+
+    def accept(self, tree: DraftTree, path: Sequence[int], next_token: int, hidden: dict[int, torch.Tensor]) -> None:
+        self._pend_f = hidden[self.feature_layer]  # [len(path), H] target features at root + accepted nodes
+        self._pend_x = tree.tokens[list(path[1:])].to(self.device)  # [len(path)-1]; next_token becomes the root
+
+    # ------------------------------------------------------------------ internals
+    def _commit(self, root: int) -> torch.Tensor:
+        """Run the pending pairs (true features) into the cache; return the last output [H]."""
+        assert self._pend_f is not None and self._pend_x is not None, "begin() was not called"
+        x = torch.cat([self._pend_x, torch.tensor([root], device=self.device)])  # [m]
+        f = self._pend_f.to(self.device)  # [m, H]
+        m, c = x.numel(), self.committed
+        assert f.shape[0] == m, (f.shape, m)
+        allowed = torch.ones(m, c + m, dtype=torch.bool, device=self.device)
+        allowed[:, c:] = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
+        pos = torch.arange(c, c + m, device=self.device)
+        h = self.draft(f[None], x[None], pos[None], allowed[None], self.cache)[0]  # [m, H]
+        self.committed += m
+        self._pend_f = self._pend_x = None
+        return h[-1]
+
+    def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> None:
+        """One draft forward over ``nodes`` (depth >= 1): each reads (h of its parent, its token)."""
+        base = self.committed + len(self._entry)  # cache length before this forward
+        F = len(nodes)
+        allowed = torch.zeros(F, base + F, dtype=torch.bool, device=self.device)
+        allowed[:, : self.committed] = True
+        for i, n in enumerate(nodes):
+            a = parents[n]
+            while a > 0:  # the root's own pair is the last committed entry
+                allowed[i, self._entry[a]] = True
+                a = parents[a]
+            allowed[i, base + i] = True
+        feats = torch.stack([self._h[parents[n]] for n in nodes])  # [F, H]
+        ids = torch.tensor([tokens[n] for n in nodes], device=self.device)  # [F]
+        pos = torch.tensor([self.committed + depths[n] - 1 for n in nodes], device=self.device)  # [F]
+        h = self.draft(feats[None], ids[None], pos[None], allowed[None], self.cache)[0]  # [F, H]
+        for i, n in enumerate(nodes):
+            self._entry[n] = base + i
+            self._h[n] = h[i]
+
+    def _logprobs(self, nodes: list[int]) -> torch.Tensor:
+        h = torch.stack([self._h[n] for n in nodes])  # [F, H]
+        return torch.log_softmax(self.draft.logits(h).float(), dim=-1)  # [F, V]
+
+    def _children(self, frontier: list[int], tokens: list[int], parents: list[int], depths: list[int],
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._cand = (tokens, parents, depths)  # the growing candidate lists (kept for tests/inspection)
+        todo = [n for n in frontier if n not in self._h]
+        if todo:
+            self._expand(todo, tokens, parents, depths)
+        lp = self._logprobs(frontier)
+        top = lp.topk(min(self.tree_cfg.top_k, lp.shape[-1]), dim=-1)
+        return top.indices.cpu(), top.values.cpu()
+
+    def _static_tree(self, root: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fill a static topology: node (depth d, rank r) = rank-r token of its parent's draft distribution."""
+        st = self.static
+        assert st is not None
+        par, dep, rank = st.parents.tolist(), st.depths.tolist(), st.ranks.tolist()
+        tokens = [int(root)] + [0] * (len(par) - 1)
+        for d in range(1, st.max_depth + 1):
+            level = [i for i in range(len(par)) if dep[i] == d]
+            ps = sorted({par[i] for i in level})
+            todo = [p for p in ps if p not in self._h]
+            if todo:
+                self._expand(todo, tokens, par, dep)
+            need = max(rank[i] for i in level) + 1
+            top = self._logprobs(ps).topk(need, dim=-1).indices.tolist()  # [P, need]
+            row = {p: j for j, p in enumerate(ps)}
+            for i in level:
+                tokens[i] = top[row[par[i]]][rank[i]]
+        return torch.tensor(tokens), st.parents, st.depths
+
+
+def build_eagle_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
+                        allow_target_mismatch: bool = False) -> tuple[EagleDrafter, dict[str, Any]]:
+    """Load an EAGLE checkpoint for ``target`` and wrap it with the configured tree."""
+    if not head:
+        raise ValueError("drafter=eagle needs checkpoint=<head dir>")
+    draft = EagleDraft.from_pretrained(head, target, allow_target_mismatch).to(target.device)
+    tc = EagleTreeConfig.from_any(tree_cfg)
+    drafter = EagleDrafter(draft, tc, dtype)
+    if drafter.static is not None:
+        desc = {"tree_kind": tc.kind, "tree_size": drafter.static.size, "tree_depth": drafter.static.max_depth}
+    else:
+        desc = {"tree_kind": "dynamic", "tree_size": tc.nodes + 1, "tree_depth": tc.depth, "tree_top_k": tc.top_k}
+    return drafter, {"drafter": "eagle", "head": head, **desc}
