@@ -60,12 +60,21 @@ def checkpoint_family(path: str | Path) -> str:
 
 
 def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
-                  allow_target_mismatch: bool = False, num_heads: int = 4) -> tuple[Any, dict[str, Any]]:
-    """Make the drafter for the eval job; returns (drafter, description)."""
+                  allow_target_mismatch: bool = False, num_heads: int = 4, baselines: Any = None,
+                  ) -> tuple[Any, dict[str, Any]]:
+    """Make the drafter for the eval job; returns (drafter, description).
+
+    ``baselines``: options of the baseline drafters (conf/eval.yaml ``baselines``: draft_model,
+    draft_tokens, lookup_tokens, lookup_max_ngram, lookup_min_ngram).
+    """
     if kind == "auto":
         kind = checkpoint_family(head) if head else "plain"
     if kind == "plain":
         return NoDrafter(), {"drafter": "plain"}
+    if kind in ("prompt_lookup", "draft_model"):
+        from eval.baselines import build_baseline_drafter
+
+        return build_baseline_drafter(kind, target, baselines, dtype)
     if kind == "eagle":
         from eval.eagle_drafter import build_eagle_drafter
 
@@ -84,7 +93,8 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
         tree, source = medusa_tree(tree_cfg, heads.config.num_heads, stats)
         return MedusaDrafter(heads, tree, dtype), {
             "drafter": kind, "head": head, "tree_size": tree.size, "tree_depth": tree.max_depth, "tree_source": source}
-    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa, medusa-init or eagle")
+    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa, medusa-init, eagle, prompt_lookup "
+                     f"or draft_model")
 
 
 def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:

@@ -77,6 +77,9 @@ class EagleDrafter:
         self.committed = 0  # committed entries in self.cache (= positions 0..committed-1)
         self._pend_f: torch.Tensor | None = None  # [m, H] pending features
         self._pend_x: torch.Tensor | None = None  # [m-1] pending next tokens (the root completes them)
+        self._h: dict[int, torch.Tensor] = {}  # node/candidate id -> draft output after it [H] (this step)
+        self._entry: dict[int, int] = {}  # node/candidate id -> index of its tree entry in the cache (this step)
+        self._cand: tuple[list[int], list[int], list[int]] = ([], [], [])  # dynamic candidates: tokens, parents, depths
 
     @property
     def device(self) -> torch.device:
@@ -94,8 +97,7 @@ class EagleDrafter:
     @torch.no_grad()
     def propose(self, root: int, sampling: Any, generator: Any) -> DraftTree:
         h_root = self._commit(root)  # [H] predicted f_cur
-        self._h = {0: h_root}  # node/candidate id -> draft output after it
-        self._entry: dict[int, int] = {}  # node/candidate id -> its tree entry in the cache
+        self._h, self._entry = {0: h_root}, {}
         if self.static is None:
             c = self.tree_cfg
             t = dynamic_tree(root, self._children, c.top_k, c.depth, c.nodes)

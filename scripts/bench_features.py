@@ -122,7 +122,7 @@ def interleaved_capture_vs_bare(target, ds, lengths, shards, batch_size: int, pa
 
 def train_run(overrides: list[str], out: Path) -> dict:
     """One EAGLE training job in its own process (so peak memory is its own)."""
-    cmd = [sys.executable, str(REPO / "train" / "eagle.py"), *overrides, f"out_dir={out}"]
+    cmd = [sys.executable, str(REPO / "train" / "eagle.py"), *overrides, f"out_dir={out}", f"hydra.run.dir={out}"]
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
