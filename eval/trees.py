@@ -103,7 +103,7 @@ def tree_from_accuracies(acc: Sequence[Sequence[float]], size: int) -> StaticTre
     """
     if size < 2:
         raise ValueError(f"tree size must be >= 2 (root + one candidate), got {size}")
-    heap: list[tuple[float, Path]] = [(-acc[0][r], (r,)) for r in range(len(acc[0])) if acc[0][r] > 0]
+    heap: list[tuple[float, Path]] = [(-acc[0][r], (r,)) for r in range(len(acc[0])) if acc[0][r] >= 0]
     heapq.heapify(heap)
     chosen: list[Path] = []
     while heap and len(chosen) < size - 1:
@@ -112,7 +112,7 @@ def tree_from_accuracies(acc: Sequence[Sequence[float]], size: int) -> StaticTre
         d = len(p)
         if d < len(acc):
             for r in range(len(acc[d])):
-                if acc[d][r] > 0:
+                if acc[d][r] >= 0:
                     heapq.heappush(heap, (negv * acc[d][r], p + (r,)))
     return static_tree(chosen)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import CHATML, make_tokenizer, tiny_model
@@ -122,3 +123,13 @@ def test_static_tree_structure():
     assert t.max_rank() == [2, 2, 1]
     c = chain(3)
     assert c.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_tree_from_accuracies_is_optimal_and_handles_zero_profiles():
+    from eval.trees import expected_accept_length, tree_from_accuracies
+
+    acc = [[0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    t = tree_from_accuracies(acc, 4)  # root + 3 best prefix-closed nodes: (0,), (0,0)=.2, (1,)=.2 -> tie by path
+    assert t.size == 4 and (0,) in t.paths and (0, 0) in t.paths
+    assert expected_accept_length(t, acc) == pytest.approx(1 + 0.5 + 0.2 + 0.2)
+    assert tree_from_accuracies([[0.0] * 3] * 2, 5).size == 5  # an untrained profile still yields a tree
