@@ -41,7 +41,13 @@ class Drafter(Protocol):
         """After the prefill: prompt ids [T] and the target's hidden states {layer: [T, H]}."""
 
     def propose(self, root: int, sampling: dict[str, Any] | None, generator: torch.Generator | None) -> DraftTree:
-        """A tree whose root is ``root`` (the last accepted token, not yet in the target's cache)."""
+        """A tree whose root is ``root`` (the last accepted token, not yet in the target's cache).
+
+        ``sampling`` is None in greedy mode; otherwise {temperature, top_p, top_k}, which a drafter that
+        *samples* children must apply to its own logits (eval.verify.apply_sampling) and return the
+        distributions in ``draft_probs``. Drafters that pick children deterministically (top-k, lookup)
+        return ``draft_probs=None`` in every mode; exact verification handles both.
+        """
 
     def accept(self, tree: DraftTree, path: Sequence[int], next_token: int, hidden: dict[int, torch.Tensor]) -> None:
         """``path`` = accepted node indices starting with the root; hidden = {layer: [len(path), H]}."""
@@ -67,6 +73,7 @@ class GenResult:
     tokens: list[int]  # generated token ids (after the prompt), EOS included if produced
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per verification step
     tree_sizes: list[int] = field(default_factory=list)
+    tree_depths: list[int] = field(default_factory=list)  # deepest drafted node per step (0 = nothing drafted)
     seconds: float = 0.0
     target_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -99,24 +106,137 @@ def keep_cache_positions(cache: Any, keep: torch.Tensor) -> None:
         cache.value_cache[i] = cache.value_cache[i].index_select(-2, keep)
 
 
-def _target_dist(logits: torch.Tensor, mode: str, sampling: dict[str, Any] | None) -> torch.Tensor:
-    if mode == "greedy":
-        return logits  # argmax only; no softmax over [N, V] needed
-    s = sampling or {}
-    return apply_sampling(logits.float(), s.get("temperature", 1.0), s.get("top_p", 1.0), s.get("top_k", 0))
+def _cache_tensors(cache: Any) -> list[tuple[Any, str, int | None]]:
+    """(owner, attribute, index) of every key/value tensor in a transformers cache (new and old layouts)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer, a, None) for layer in layers for a in ("keys", "values")]
+    return [(lst, "", i) for lst in (cache.key_cache, cache.value_cache) for i in range(len(lst))]
+
+
+def _get(owner: Any, attr: str, i: int | None) -> torch.Tensor:
+    return owner[i] if i is not None else getattr(owner, attr)
+
+
+def _set(owner: Any, attr: str, i: int | None, t: torch.Tensor) -> None:
+    if i is not None:
+        owner[i] = t
+    else:
+        setattr(owner, attr, t)
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions: a view per layer, no copy (the next append copies anyway)."""
+    for owner, attr, i in _cache_tensors(cache):
+        _set(owner, attr, i, _get(owner, attr, i)[..., :length, :])
+
+
+def commit_tree_path(cache: Any, cur: int, path: Sequence[int]) -> None:
+    """After a tree forward on top of ``cur`` cached tokens, keep the prefix plus tree nodes ``path``.
+
+    Moves only the len(path) accepted entries into place (in-place, per layer) and crops with a view:
+    O(path) work per step instead of re-gathering the whole [cur + N] cache with index_select.
+    """
+    m = len(path)
+    if any(p != j for j, p in enumerate(path)):  # not a prefix of the node order: move entries down
+        src = None
+        for owner, attr, i in _cache_tensors(cache):
+            t = _get(owner, attr, i)
+            if src is None:
+                src = torch.tensor(list(path), device=t.device) + cur
+            t[..., cur:cur + m, :] = t.index_select(-2, src)  # index_select gathers first: no aliasing
+    crop_cache(cache, cur + m)
+
+
+class LazySampledProbs:
+    """Target sampling distributions [N, V] computed row by row, on demand.
+
+    verify_tree reads only the root's row and the rows of accepted nodes (it indexes ``probs[i]``),
+    so processing all N rows of a 64-node tree (float copy, softmax, a top-p sort per row) would be
+    mostly wasted work on the critical path: ~18 ms per step at V=49k for softmax alone on this CPU.
+    ``sampling=None`` (greedy) gives the raw logits row as float32: argmax over a bf16 row of 49k
+    entries takes ~0.45 ms on this CPU, converting first and then argmax ~0.1 ms.
+    """
+
+    def __init__(self, logits: torch.Tensor, sampling: dict[str, Any] | None):
+        self.logits = logits  # [N, V] raw target logits
+        s = sampling or {}
+        self._greedy = sampling is None
+        self._args = (float(s.get("temperature", 1.0)), float(s.get("top_p", 1.0)), int(s.get("top_k", 0)))
+        self.shape = logits.shape
+        self.dtype = torch.float32
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def dim(self) -> int:
+        return 2
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return int(self.shape[0])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = int(i)
+        if i not in self._rows:
+            row = self.logits[i]
+            self._rows[i] = row.float() if self._greedy else apply_sampling(row, *self._args)  # [V] float32
+        return self._rows[i]
+
+    def dense(self) -> torch.Tensor:
+        """All rows as one [N, V] tensor (tests)."""
+        return torch.stack([self[i] for i in range(len(self))])
+
+
+def _target_dist(logits: torch.Tensor, mode: str, sampling: dict[str, Any] | None) -> LazySampledProbs:
+    """Rows for verify_tree: raw float logits in greedy mode (argmax only), else processed distributions."""
+    return LazySampledProbs(logits, None if mode == "greedy" else (sampling or {}))
+
+
+def _clock(dev: torch.device) -> float:
+    """perf_counter after the device has finished (CUDA kernels are asynchronous)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+def tree_forward(target: FrozenTarget, tokens: torch.Tensor, mask: torch.Tensor | None, depths: torch.Tensor,
+                 cur: int, cache: Any, layers: Sequence[int] = ()) -> dict[str, Any]:
+    """One verification forward of N tree nodes on top of ``cur`` cached tokens (the loop's only target call).
+
+    tokens [N]; mask [N, N] ancestor mask (None for a single node: the plain causal path); depths [N].
+    Positions are cur + depth; every node attends to the whole prefix and to its ancestors. Shared with
+    eval.measure's latency profile so the profile times exactly what the loop runs.
+    """
+    dev = target.device
+    n = int(tokens.numel())
+    if n == 1:  # plain step: the usual causal path, no custom mask
+        return target(tokens.view(1, 1).to(dev), cache=cache, layers=layers,
+                      position_ids=torch.tensor([[cur]], device=dev))
+    full = torch.ones(n, cur + n, dtype=torch.bool, device=dev)  # [N, cur+N]: prefix, then ancestors
+    full[:, cur:] = mask.to(dev)
+    return target(tokens.view(1, n).to(dev), cache=cache, layers=layers, attention_mask=full[None, None],
+                  position_ids=(cur + depths).view(1, n).to(dev))
 
 
 @torch.no_grad()
 def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
              eos_ids: Sequence[int] = (), mode: str = "greedy", sampling: dict[str, Any] | None = None,
              generator: torch.Generator | None = None, max_length: int | None = None) -> GenResult:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids`` with speculative steps proposed by ``drafter``."""
+    """Generate up to ``max_new_tokens`` after ``prompt_ids`` with speculative steps proposed by ``drafter``.
+
+    ``mode``: greedy | exact | typical (see eval.verify); ``sampling`` {temperature, top_p, top_k} is
+    applied to the target's logits in the sampled modes and handed to the drafter (None in greedy mode).
+    Timing: ``target_seconds`` = target forwards, ``draft_seconds`` = drafter calls, ``prefill_seconds``
+    = prompt forward + drafter.begin; the rest (mask, verification, cache compaction) is bookkeeping.
+    """
     dev = target.device
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).view(-1)
     eos = set(int(e) for e in eos_ids)
     max_len = max_length or getattr(target.config, "max_position_embeddings", 1 << 30)
+    draft_sampling = None if mode == "greedy" else (sampling or {})
     res = GenResult(tokens=[])
-    t_start = time.perf_counter()
+    t_start = _clock(dev)
     cache = target.new_cache()
     layers = tuple(getattr(drafter, "layers", ()))
 
@@ -126,9 +246,10 @@ def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | tor
     if mode == "greedy":
         root = int(dist[0].argmax())
     else:
-        root = int(torch.multinomial(dist[0].float(), 1, generator=generator))
+        p0 = dist[0].float()
+        root = int(torch.multinomial(p0 if generator is None else p0.to(generator.device), 1, generator=generator))
     drafter.begin(prompt, {l: h[0] for l, h in out["hidden"].items()})
-    res.prefill_seconds = time.perf_counter() - t_start
+    res.prefill_seconds = _clock(dev) - t_start
     res.tokens.append(root)
     cur = len(prompt)  # tokens in the cache
     if root in eos:
@@ -137,38 +258,29 @@ def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | tor
         if cur + 1 >= max_len:
             res.stopped = "max_length"
             break
-        t0 = time.perf_counter()
-        tree = drafter.propose(root, sampling, generator)
+        t0 = _clock(dev)
+        tree = drafter.propose(root, draft_sampling, generator)
+        res.draft_seconds += _clock(dev) - t0
         tree = _prune_to_fit(tree, max_len - cur)
-        res.draft_seconds += time.perf_counter() - t0
         n = int(tree.tokens.numel())
         depths = tree.depths if tree.depths is not None else depths_of(tree.parents)
-        amask = tree.mask if tree.mask is not None else ancestor_mask(tree.parents)
-        t1 = time.perf_counter()
-        if n == 1:  # plain step: the usual causal path, no custom mask
-            out = target(tree.tokens.view(1, 1).to(dev), cache=cache, layers=layers,
-                         position_ids=torch.tensor([[cur]], device=dev))
-        else:
-            full = torch.ones(n, cur + n, dtype=torch.bool, device=dev)
-            full[:, cur:] = amask.to(dev)
-            out = target(tree.tokens.view(1, n).to(dev), cache=cache, layers=layers, attention_mask=full[None, None],
-                         position_ids=(cur + depths).view(1, n).to(dev))
-        res.target_seconds += time.perf_counter() - t1
-        dist = _target_dist(out["logits"][0], mode, sampling)  # [N, V]
+        amask = None if n == 1 else (tree.mask if tree.mask is not None else ancestor_mask(tree.parents))
+        t1 = _clock(dev)
+        out = tree_forward(target, tree.tokens, amask, depths, cur, cache, layers)
+        res.target_seconds += _clock(dev) - t1
+        dist = _target_dist(out["logits"][0], mode, sampling)  # [N, V] (rows computed on demand when sampling)
         accepted, nxt = verify_tree(tree.tokens, tree.parents, dist, tree.draft_probs, mode=mode, generator=generator)
         path = [0] + list(accepted)
-        if n > 1 and path != list(range(len(path))):
-            keep = torch.cat([torch.arange(cur, device=dev), cur + torch.tensor(path, device=dev)])
-            keep_cache_positions(cache, keep)
-        elif n > 1:  # accepted path is a prefix of the node order: a crop suffices
-            keep_cache_positions(cache, torch.arange(cur + len(path), device=dev))
+        if n > 1:
+            commit_tree_path(cache, cur, path)
         cur += len(path)
         new = [int(tree.tokens[i]) for i in accepted] + [int(nxt)]
         res.accepted.append(len(accepted))
         res.tree_sizes.append(n)
-        t2 = time.perf_counter()
+        res.tree_depths.append(int(depths.max()) if n > 1 else 0)
+        t2 = _clock(dev)
         drafter.accept(tree, path, int(nxt), {l: h[0, path] for l, h in out["hidden"].items()})
-        res.draft_seconds += time.perf_counter() - t2
+        res.draft_seconds += _clock(dev) - t2
         for tok in new:
             res.tokens.append(tok)
             if tok in eos:
@@ -178,7 +290,7 @@ def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | tor
                 break
         root = int(nxt)
     res.tokens = res.tokens[:max_new_tokens]
-    res.seconds = time.perf_counter() - t_start
+    res.seconds = _clock(dev) - t_start
     return res
 
 

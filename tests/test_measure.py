@@ -1,0 +1,107 @@
+"""The measurement job end to end on a tiny random target: every method, greedy + sampled, latency profile,
+tree-size sweep, JSON + markdown + PNGs with sane numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import compose
+from eval.measure import depth_stats, formula_tau, main
+
+QUESTIONS = [
+    {"question_id": 1, "category": "copy", "turns": ["please list one two three one two three one two", "count from one"]},
+    {"question_id": 2, "category": "open", "turns": ["hello there how are you"]},
+    {"question_id": 3, "category": "copy", "turns": ["red blue green red blue green red"]},
+]
+
+
+def _overrides(target_dir: Path, qfile: Path, out: Path, *extra: str) -> list[str]:
+    return ["target=hf", f"target.name={target_dir}", "target.dtype=fp32", "target.local_files_only=true",
+            f"questions={qfile}", "max_new_tokens=16", "temperatures=[1.0]", f"out_dir={out}",
+            "methods=[plain,hf_plain,hf_prompt_lookup,prompt_lookup,draft_model,medusa-init]", "baselines.draft_model=self:2",
+            "untrained_heads=2", "profile.widths=[1,4,16]", "profile.repeats=1", "sweep.tree_sizes=[4,8]",
+            "sweep.chain_sizes=[2,4]", "sweep.max_questions=2", "sweep.max_new_tokens=12", *extra]
+
+
+def _medusa_checkpoint(target_dir: Path, out: Path) -> Path:
+    """An (untrained, identity-initialized) Medusa checkpoint for the tiny target: a 'trained head' input."""
+    from heads.medusa import MedusaHeads, medusa_config_for
+    from heads.target import load_target
+
+    tgt = load_target({"name": str(target_dir), "dtype": "fp32", "local_files_only": True})
+    MedusaHeads(medusa_config_for(tgt, 2, 1, True), tgt.lm_head()).save_pretrained(out, tgt.identity)
+    return out
+
+
+def test_measure_job_end_to_end(tiny_target_dir, tmp_path):
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    out = tmp_path / "measure"
+    head = _medusa_checkpoint(tiny_target_dir, tmp_path / "head")
+    res = main(compose("measure", _overrides(tiny_target_dir, qfile, out, f"+heads.medusa={head}")))
+
+    for f in ("results.json", "report.md", "tau_by_category.png", "accept_by_depth.png", "speedup_vs_tree_size.png"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 500, f
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved["settings"]) == {"greedy", "T=1"}
+    names = ["plain", "hf_plain", "hf_prompt_lookup", "prompt_lookup", "draft_model", "medusa-init", "medusa"]
+    for sname, block in saved["settings"].items():
+        assert list(block["methods"]) == names
+        plain = block["methods"]["plain"]
+        assert plain["tau"] == 1.0 and plain["depth"]["accept_at_depth"] == []
+        assert block["speedup_vs_plain"]["plain"]["overall"] == 1.0
+        for name, s in block["methods"].items():
+            assert s["tau"] >= 1.0 and s["tokens_per_s"] > 0 and s["new_tokens"] > 0, (sname, name)
+            assert set(s["per_category"]) == {"copy", "open"}
+            assert s["target_ms_per_step"] > 0 and s["bookkeeping_ms_per_step"] >= 0
+            d = s["depth"]
+            if d["accept_at_depth"]:  # P(acc >= d) is non-increasing; the formula tracks the measured τ
+                assert all(a >= b for a, b in zip(d["accept_at_depth"], d["accept_at_depth"][1:]))
+                assert d["measured_tau"] == pytest.approx(s["tau"], abs=1e-3)
+                assert abs(d["formula_tau"] - d["measured_tau"]) < 0.6
+    g = saved["settings"]["greedy"]
+    # fp32: our speculative methods reproduce plain greedy token for token
+    for name in ("prompt_lookup", "draft_model", "medusa-init", "medusa"):
+        gi = g["greedy_identical"][name]
+        assert gi["comparable_turns"] == 4 and gi["identical"] == 4, (name, gi)
+    assert g["methods"]["hf_plain"]["tau"] == 1.0 and g["greedy_identical"]["hf_plain"]["identical"] == 4
+    assert g["methods"]["prompt_lookup"]["tau"] > 1.0 and g["methods"]["medusa-init"]["tau"] > 1.0
+    assert g["methods"]["draft_model"]["draft_ms_per_step"] > g["methods"]["prompt_lookup"]["draft_ms_per_step"]
+    assert g["methods"]["draft_model"]["mean_tree_size"] == 5.0  # 4 drafted tokens + root
+    # latency profile and sweep
+    prof = saved["latency_profile"]
+    assert [p["width"] for p in prof["points"]] == [1, 4, 16] and prof["t1_ms"] > 0
+    sw = saved["sweep"]
+    assert [p["size"] for p in sw["medusa-init"]] == [4, 8] and [p["size"] for p in sw["prompt_lookup"]] == [2, 4]
+    for series in (sw["medusa-init"], sw["prompt_lookup"], sw["draft_model"]):
+        for p in series:
+            assert p["tau"] >= 1.0 and p["modeled_speedup"] > 0 and p["measured_speedup"] > 0
+    assert saved["headline"]["best"] == "medusa" and saved["headline"]["trained"]  # the only checkpointed head
+    assert saved["methods"]["medusa"]["kind"] == "medusa" and saved["methods"]["medusa"]["checkpoint"] == str(head)
+    assert [p["size"] for p in sw["medusa"]] == [4, 8]
+    md = (out / "report.md").read_text()
+    assert "| method | τ | tokens/s | × plain |" in md and "Verification latency profile" in md
+    assert "Speedup by tree size" in md and ("✔" in md or "✘" in md)
+    assert res["settings"]["greedy"]["methods"]["plain"]["tau"] == 1.0
+
+
+def test_measure_config_errors(tiny_target_dir, tmp_path):
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps(QUESTIONS[0]) + "\n")
+    with pytest.raises(ValueError, match="unknown method"):
+        main(compose("measure", _overrides(tiny_target_dir, qfile, tmp_path / "o", "methods=[plain,nope]")))
+    with pytest.raises(ValueError, match="nothing to measure"):
+        main(compose("measure", _overrides(tiny_target_dir, qfile, tmp_path / "o", "greedy=false", "temperatures=[]")))
+
+
+def test_formula_and_depth_stats():
+    assert formula_tau(0.8, 4) == pytest.approx(3.3616)  # the seed's table: alpha 0.8, k 4 -> 3.36
+    assert formula_tau(1.0, 3) == 4.0 and formula_tau(0.5, 0) == 1.0
+    rows = [{"accepted": [0, 1, 2, 2], "tree_depths": [2, 2, 2, 2]}]
+    d = depth_stats(rows)
+    assert d["accept_at_depth"] == [0.75, 0.5]
+    assert d["conditional_accept"] == [0.75, pytest.approx(2 / 3, abs=1e-4)]
+    assert d["alpha"] == pytest.approx(5 / 7, abs=1e-4) and d["measured_tau"] == 2.25
