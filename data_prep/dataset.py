@@ -196,6 +196,9 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
     t_load = time.perf_counter() - t0
     tr_cols, tr_counts = tokenize_all(train_c, tokenizer, cfg, "tokenize train")
     he_cols, he_counts = tokenize_all(held_c, tokenizer, cfg, "tokenize held-out")
+    if not held_c:
+        log.warning("the held-out split is empty (heldout_fraction=%s, split_seed=%s): no validation metrics",
+                    cfg.heldout_fraction, cfg.split_seed)
     if tr_counts["examples"] == 0:
         raise ValueError(f"no training example survived tokenization: {tr_counts}")
     if cfg.packing:
@@ -225,8 +228,14 @@ def _load(path: Path) -> PreparedData:
     import datasets
 
     stats = json.loads((path / "stats.json").read_text())
-    return PreparedData(train=datasets.load_from_disk(str(path / "train")),
-                        heldout=datasets.load_from_disk(str(path / "heldout")),
+
+    def split(name: str):
+        if stats["rows"][name] == 0:  # datasets cannot read back an empty saved table
+            cols = ["id", "input_ids", "loss_mask"] + (["position_ids", "doc_ids"] if stats["config"]["packing"] else [])
+            return datasets.Dataset.from_dict({c: [] for c in cols})
+        return datasets.load_from_disk(str(path / name))
+
+    return PreparedData(train=split("train"), heldout=split("heldout"),
                         heldout_questions=path / "heldout_questions.jsonl", stats=stats, path=path)
 
 

@@ -143,3 +143,14 @@ def test_resume_refuses_a_different_global_batch(tmp_path, tiny_target_dir, chat
                                                     "train.save_every": 1, "train.batch_size": 4}))
     with pytest.raises(ValueError, match="global batch"):
         main(cfg)
+
+
+def test_empty_heldout_split_loads(tmp_path, chat_file):
+    from conftest import CHATML, make_tokenizer
+    from data_prep.dataset import DataConfig, prepare_data
+
+    cfg = DataConfig(source="file", path=str(chat_file), heldout_fraction=0.0, max_length=64,
+                     cache_dir=str(tmp_path))
+    d = prepare_data(cfg, make_tokenizer(CHATML))
+    assert len(d.heldout) == 0 and len(d.train) == 240
+    assert len(prepare_data(cfg, make_tokenizer(CHATML)).heldout) == 0  # the cached copy reads back too
