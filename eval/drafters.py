@@ -1,5 +1,5 @@
 """Drafters for the generation loop: Medusa heads (static tree), and a factory from checkpoints
-(EAGLE drafts live in eval/eagle_drafter.py)."""
+(EAGLE drafts live in eval/eagle_drafter.py, EAGLE-3 drafts in eval/eagle3_drafter.py)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
         from eval.eagle_drafter import build_eagle_drafter
 
         return build_eagle_drafter(target, head, tree_cfg, dtype, allow_target_mismatch)
+    if kind == "eagle3":
+        from eval.eagle3_drafter import build_eagle3_drafter
+
+        return build_eagle3_drafter(target, head, tree_cfg, dtype, allow_target_mismatch)
     if kind in ("medusa", "medusa-init"):
         if (tree_cfg.get("kind") or "auto") not in ("auto", "static"):
             raise ValueError(f"Medusa heads draft static trees only; got tree.kind={tree_cfg.get('kind')!r}")
@@ -93,8 +97,8 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
         tree, source = medusa_tree(tree_cfg, heads.config.num_heads, stats)
         return MedusaDrafter(heads, tree, dtype), {
             "drafter": kind, "head": head, "tree_size": tree.size, "tree_depth": tree.max_depth, "tree_source": source}
-    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa, medusa-init, eagle, prompt_lookup "
-                     f"or draft_model")
+    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa, medusa-init, eagle, eagle3, "
+                     f"prompt_lookup or draft_model")
 
 
 def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:

@@ -71,8 +71,8 @@ class EagleDrafter:
             self.draft.cast(dtype)
         self.tree_cfg = tree or EagleTreeConfig()
         self.static = None if self.tree_cfg.kind == "dynamic" else self.tree_cfg.static()
-        self.feature_layer = draft.config.resolved_layer
-        self.layers = (self.feature_layer,)  # what generate() must hand us from the target
+        self.layers = self._feature_layers(draft)  # what generate() must hand us from the target
+        self.feature_layer = self.layers[0]
         self.cache: Any = None
         self.committed = 0  # committed entries in self.cache (= positions 0..committed-1)
         self._pend_f: torch.Tensor | None = None  # [m, H] pending features
@@ -91,7 +91,7 @@ class EagleDrafter:
 
         self.cache = DynamicCache(config=self.draft.layer_config)
         self.committed = 0
-        self._pend_f = hidden[self.feature_layer]  # [T, H]
+        self._pend_f = self._features(hidden)  # [T, H]
         self._pend_x = prompt_ids.view(-1)[1:].to(self.device)  # [T-1]
 
     @torch.no_grad()
@@ -109,8 +109,22 @@ class EagleDrafter:
         return DraftTree(tokens.cpu(), parents.cpu(), None, depths.cpu(), ancestor_mask(parents.cpu()))
 
     def accept(self, tree: DraftTree, path: Sequence[int], next_token: int, hidden: dict[int, torch.Tensor]) -> None:
-        self._pend_f = hidden[self.feature_layer]  # [len(path), H] target features at root + accepted nodes
+        self._pend_f = self._features(hidden)  # [len(path), H] target features at root + accepted nodes
         self._pend_x = tree.tokens[list(path[1:])].to(self.device)  # [len(path)-1]; next_token becomes the root
+
+    # ------------------------------------------------------------------ hooks (EAGLE-3 overrides them)
+    @staticmethod
+    def _feature_layers(draft: Any) -> tuple[int, ...]:
+        """Target hidden-state layers the draft reads."""
+        return (draft.config.resolved_layer,)
+
+    def _features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[m, H] draft input features from the target's hidden states {layer: [m, H]}."""
+        return hidden[self.feature_layer]
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft output ids -> target token ids (identity: EAGLE drafts over the target's vocabulary)."""
+        return ids
 
     # ------------------------------------------------------------------ internals
     def _commit(self, root: int) -> torch.Tensor:
@@ -160,7 +174,7 @@ class EagleDrafter:
             self._expand(todo, tokens, parents, depths)
         lp = self._logprobs(frontier)
         top = lp.topk(min(self.tree_cfg.top_k, lp.shape[-1]), dim=-1)
-        return top.indices.cpu(), top.values.cpu()
+        return self._to_target(top.indices).cpu(), top.values.cpu()
 
     def _static_tree(self, root: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill a static topology: node (depth d, rank r) = rank-r token of its parent's draft distribution."""
@@ -175,7 +189,7 @@ class EagleDrafter:
             if todo:
                 self._expand(todo, tokens, par, dep)
             need = max(rank[i] for i in level) + 1
-            top = self._logprobs(ps).topk(need, dim=-1).indices.tolist()  # [P, need]
+            top = self._to_target(self._logprobs(ps).topk(need, dim=-1).indices).tolist()  # [P, need]
             row = {p: j for j, p in enumerate(ps)}
             for i in level:
                 tokens[i] = top[row[par[i]]][rank[i]]

@@ -1,0 +1,419 @@
+"""EAGLE-3 draft (Li et al., 2025): fused low/mid/high target features, one decoder layer, a draft vocabulary.
+
+Step 0 at draft position t reads the target's hidden states at three layers (default: the inputs of
+decoder layers 2, L//2 and L-3; heads/target.py convention) fused by ``fc: n_aux·H -> H``, together
+with the token that actually followed, x_{t+1}. The layer's attention reads
+``[input_layernorm(embed(x_{t+1})); hidden_norm(h)]`` (2H wide: q/k/v project from 2H, o_proj back
+to H) while the residual stream carries h (or hidden_norm(h) with ``norm_before_residual``); then the
+usual post-attention norm + MLP residual. The final ``norm`` + the draft's own ``lm_head`` [DV, H]
+give logits over the *draft vocabulary*; ``d2t`` maps draft id i to target id ``i + d2t[i]``.
+
+Unlike EAGLE, the draft does not regress the target's feature: its *output hidden state* (the
+pre-final-norm residual stream, what the reference implementations feed back) becomes the next
+step's h — in training ("training-time test", :meth:`Eagle3Draft.rollout`) and in drafting alike.
+So step s at position t reads (output of step s-1 at t, x_{t+1+s}) at position id t+s and predicts
+x_{t+2+s}.
+
+Parameter names follow the vLLM ``speculators`` layout (``fc``, ``layers.0.*``, ``norm``,
+``lm_head``, buffers ``d2t``/``t2d``), so exports are renames at most. The target's embedding is
+held unregistered (never trained or saved here; an export writes it from the target).
+
+The draft vocabulary mapping is part of the checkpoint and is validated on load; it is never
+rebuilt from data when a checkpoint is resumed or fine-tuned (the lm_head rows belong to it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from heads.checkpoint import read_head, save_head
+from heads.eagle import _base, _layer_fields, attention_bias, draft_layer_config
+from heads.target import FrozenTarget, TargetIdentity, check_identity
+
+FAMILY = "eagle3"
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+# ------------------------------------------------------------------------------------------
+# Configuration and validation
+# ------------------------------------------------------------------------------------------
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """[2, L//2, L-3]: inputs of a low, a middle and a high decoder layer (vLLM/speculators' default too)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(aux: Sequence[int], num_layers: int, where: str = "head.aux_layers") -> list[int]:
+    """Aux layers must be distinct hidden-state indices 0..L-1 (the input of decoder layer i)."""
+    aux = [int(a) for a in aux]
+    if not aux:
+        raise ValueError(f"{where} is empty: EAGLE-3 fuses at least one target layer")
+    bad = [a for a in aux if not 0 <= a < num_layers]
+    if bad:
+        raise ValueError(f"{where} {aux}: layer ids {bad} are outside the target's depth; valid ids are "
+                         f"0..{num_layers - 1} (id i = the input of decoder layer i; the target has {num_layers} "
+                         f"layers)")
+    if len(set(aux)) != len(aux):
+        raise ValueError(f"{where} {aux} repeats a layer; set distinct ids explicitly (the default "
+                         f"[2, L//2, L-3] collides for targets with fewer than 7 layers)")
+    return aux
+
+
+@dataclass
+class Eagle3Config:
+    """Architecture of an EAGLE-3 draft (saved in every checkpoint)."""
+
+    hidden_size: int = 0  # the target's hidden size (filled from the target)
+    vocab_size: int = 0  # the target's vocabulary V (filled from the target)
+    num_target_layers: int = 0  # L of the target (aux layer ids are checked against it)
+    aux_layers: list[int] = field(default_factory=list)  # fused hidden-state indices (input of decoder layer i)
+    draft_vocab_size: int = 0  # DV <= V: rows of the draft's lm_head
+    norm_before_residual: bool = False  # residual stream carries hidden_norm(h) instead of h
+    layer_config: dict[str, Any] = field(default_factory=dict)  # target-config fields the draft layer was built from
+
+    def __post_init__(self) -> None:
+        if self.num_target_layers:
+            self.aux_layers = check_aux_layers(self.aux_layers, self.num_target_layers)
+        if self.vocab_size and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size} (the target's "
+                             f"vocabulary); a draft vocabulary cannot be larger than the target's")
+
+
+def resolve_draft_vocab_size(requested: int | None, vocab_size: int) -> int:
+    """null -> min(32000, V); an explicit size larger than V is an error, not silently capped."""
+    if requested is None:
+        return min(DEFAULT_DRAFT_VOCAB, vocab_size)
+    requested = int(requested)
+    if requested > vocab_size:
+        raise ValueError(f"head.draft_vocab_size={requested} is larger than the target's vocabulary ({vocab_size}); "
+                         f"use at most {vocab_size} (or null for min({DEFAULT_DRAFT_VOCAB}, V))")
+    if requested < 1:
+        raise ValueError(f"head.draft_vocab_size must be >= 1, got {requested}")
+    return requested
+
+
+def eagle3_config_for(target: FrozenTarget, aux_layers: Sequence[int] | None, draft_vocab_size: int,
+                      norm_before_residual: bool = False) -> Eagle3Config:
+    L = target.num_layers
+    aux = check_aux_layers(default_aux_layers(L) if aux_layers is None else aux_layers, L)
+    return Eagle3Config(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=L,
+                        aux_layers=aux, draft_vocab_size=resolve_draft_vocab_size(draft_vocab_size, target.vocab_size),
+                        norm_before_residual=bool(norm_before_residual), layer_config=_layer_fields(target.config))
+
+
+# ------------------------------------------------------------------------------------------
+# Draft vocabulary mapping
+# ------------------------------------------------------------------------------------------
+
+def vocab_mapping(vocab_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [DV] int64, t2d [V] bool) from the draft vocabulary's target ids.
+
+    The ids are sorted first: draft id i is then the i-th smallest target id, which is the order in
+    which serving engines select lm_head rows with ``t2d`` (``W[t2d]``), so the rows line up.
+    """
+    ids = torch.as_tensor(vocab_ids, dtype=torch.int64).sort().values
+    if ids.numel() == 0:
+        raise ValueError("empty draft vocabulary")
+    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must be in 0..{vocab_size - 1}, got {int(ids[0])}..{int(ids[-1])}")
+    if bool((ids[1:] == ids[:-1]).any()):
+        raise ValueError("draft vocabulary ids repeat")
+    d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def check_vocab_mapping(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab_size: int, vocab_size: int,
+                        where: str) -> None:
+    """Refuse a missing or inconsistent mapping with an error naming what is wrong."""
+    missing = [n for n, t in (("d2t", d2t), ("t2d", t2d)) if t is None]
+    if missing:
+        raise ValueError(f"{where} has no {' / '.join(missing)}: the draft-vocabulary mapping is part of an EAGLE-3 "
+                         f"checkpoint (its lm_head rows belong to it) and is never rebuilt from data; use the complete "
+                         f"checkpoint directory")
+    assert d2t is not None and t2d is not None
+    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (draft_vocab_size,):
+        raise ValueError(f"{where}: d2t must be int64 of shape ({draft_vocab_size},) (draft_vocab_size), "
+                         f"got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        raise ValueError(f"{where}: t2d must be bool of shape ({vocab_size},) (the target's vocabulary), "
+                         f"got {t2d.dtype} {tuple(t2d.shape)}")
+    ids = torch.arange(draft_vocab_size, dtype=torch.int64) + d2t
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError(f"{where}: d2t does not map draft ids to increasing target ids in 0..{vocab_size - 1}")
+    if int(t2d.sum()) != draft_vocab_size or not bool(t2d[ids].all()):
+        raise ValueError(f"{where}: d2t and t2d disagree (t2d marks {int(t2d.sum())} target ids, d2t maps "
+                         f"{draft_vocab_size} draft ids to {int(t2d[ids].sum())} of them)")
+
+
+# ------------------------------------------------------------------------------------------
+# Training-time-test attention: block structure instead of a dense (k·T)² mask
+# ------------------------------------------------------------------------------------------
+
+def ttt_dense_mask(step0: torch.Tensor, step: int) -> torch.Tensor:
+    """Reference mask of TTT step ``step`` over the keys of steps 0..step: [B, S, (step+1)·S] bool.
+
+    ``step0`` [B, S, S] is the step-0 (causal, per-document) mask. Steps >= 1 add one key per step
+    and position: query t of step s sees step-0 keys ``step0[t]`` plus the key at the same position
+    t of every step 1..s. Used only by tests and the benchmark (memory grows with step·S²).
+    """
+    B, S, _ = step0.shape
+    eye = torch.eye(S, dtype=torch.bool, device=step0.device)[None].expand(B, S, S)
+    return torch.cat([step0] + [eye] * step, dim=-1)
+
+
+def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  step0: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of TTT step s = len(keys) - 1 without materializing the [S, (s+1)·S] mask.
+
+    q [B, nh, S, d]; keys/values: steps 0..s, each [B, nkv, S, d] (GQA: nh = nkv·g); step0 [B, S, S]
+    bool. Scores against step-0 keys form a masked [S, S] block; against steps 1..s only the same
+    position counts, which is a [S, s] "diagonal" block of row-wise dot products. One softmax over
+    their concatenation; memory O(S² + s·S) per head instead of O(s·S²). Returns [B, nh, S, d].
+    """
+    B, nh, S, d = q.shape
+    nkv = keys[0].shape[1]
+    g = nh // nkv
+    qg = q.view(B, nkv, g, S, d)
+    s0 = torch.einsum("bkgsd,bktd->bkgst", qg, keys[0]).float() * scaling  # [B, nkv, g, S, S]
+    s0 = s0.masked_fill(~step0[:, None, None], float("-inf"))
+    if len(keys) > 1:
+        diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys[1:]], dim=-1).float() * scaling  # [.., S, s]
+        p = torch.softmax(torch.cat([s0, diag], dim=-1), dim=-1).to(q.dtype)
+        out = torch.einsum("bkgst,bktd->bkgsd", p[..., :S], values[0])
+        for j, v in enumerate(values[1:]):
+            out = out + p[..., S + j, None] * v[:, :, None]  # [B, nkv, g, S, d]
+    else:
+        p = torch.softmax(s0, dim=-1).to(q.dtype)
+        out = torch.einsum("bkgst,bktd->bkgsd", p, values[0])
+    return out.reshape(B, nh, S, d)
+
+
+def ttt_attention_dense(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                        step0: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The same attention with the dense reference mask (tests / benchmark only)."""
+    B, nh, S, d = q.shape
+    g = nh // keys[0].shape[1]
+    K = torch.cat(list(keys), dim=2).repeat_interleave(g, dim=1)  # [B, nh, (s+1)S, d]
+    V = torch.cat(list(values), dim=2).repeat_interleave(g, dim=1)
+    mask = ttt_dense_mask(step0, len(keys) - 1)[:, None]  # [B, 1, S, (s+1)S]
+    scores = (q @ K.transpose(-1, -2)).float() * scaling
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return p @ V
+
+
+# ------------------------------------------------------------------------------------------
+# The module
+# ------------------------------------------------------------------------------------------
+
+def _rope_fn(attn: nn.Module):
+    """The target family's apply_rotary_pos_emb (same module as its attention class)."""
+    fn = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:
+        raise ValueError(f"EAGLE-3 needs apply_rotary_pos_emb in {type(attn).__module__}; this target family is "
+                         f"not supported")
+    return fn
+
+
+class Eagle3Draft(nn.Module):
+    """fc(aux) or fed-back h, with embed(x) -> one 2H-input decoder layer -> norm -> lm_head over DV."""
+
+    def __init__(self, config: Eagle3Config, target: FrozenTarget, vocab_ids: Sequence[int] | None = None):
+        super().__init__()
+        if config.hidden_size != target.hidden_size or config.vocab_size != target.vocab_size:
+            raise ValueError(f"EAGLE-3 config is for hidden {config.hidden_size} / vocab {config.vocab_size}, the "
+                             f"target has {target.hidden_size} / {target.vocab_size}")
+        if config.num_target_layers != target.num_layers:
+            raise ValueError(f"EAGLE-3 config num_target_layers is {config.num_target_layers}, the target has "
+                             f"{target.num_layers} layers")
+        self.config = config
+        H, DV, V = config.hidden_size, config.draft_vocab_size, config.vocab_size
+        self.layer_config = draft_layer_config(target)
+        self.fc = nn.Linear(len(config.aux_layers) * H, H, bias=False)  # serving engines expect no bias
+        layer = type(target.decoder_layers()[0])(self.layer_config, layer_idx=0)  # the target family's own layer
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embed; h]: 2H wide
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
+        norm_cls = type(layer.input_layernorm)
+        eps = float(getattr(self.layer_config, "rms_norm_eps", 1e-6))
+        layer.hidden_norm = norm_cls(H, eps=eps)
+        self.layers = nn.ModuleList([layer])
+        self.norm = norm_cls(H, eps=eps)
+        self.lm_head = nn.Linear(H, DV, bias=False)
+        base = _base(target)
+        self.rotary = type(base.rotary_emb)(config=self.layer_config)  # buffers only, not persistent
+        self.register_buffer("d2t", torch.zeros(DV, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        self._init_weights(float(getattr(self.layer_config, "initializer_range", 0.02)))
+        self._rope = _rope_fn(attn)
+        params = inspect.signature(attn.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # The frozen target embedding, unregistered: not trained, not in state_dict, not wrapped by DDP.
+        object.__setattr__(self, "_embed", target.embed_tokens())
+        if vocab_ids is not None:
+            self.set_vocab(vocab_ids, init_lm_head_from=target.lm_head().weight)
+
+    def _init_weights(self, std: float) -> None:
+        for m in [self.fc, self.lm_head, *self.layers.modules()]:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    # ------------------------------------------------------------------ vocabulary
+    @torch.no_grad()
+    def set_vocab(self, vocab_ids: Sequence[int] | torch.Tensor, init_lm_head_from: torch.Tensor | None = None) -> None:
+        """Install a new draft vocabulary (fresh drafts only); optionally start lm_head as the target's rows."""
+        d2t, t2d = vocab_mapping(vocab_ids, self.config.vocab_size)
+        if d2t.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {d2t.numel()} ids, config.draft_vocab_size is "
+                             f"{self.config.draft_vocab_size}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if init_lm_head_from is not None:
+            self.lm_head.weight.copy_(init_lm_head_from.detach()[self.target_ids().to(init_lm_head_from.device)])
+
+    def target_ids(self) -> torch.Tensor:
+        """[DV] target id of every draft id."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids (any shape) to target ids: i + d2t[i]."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # ------------------------------------------------------------------ forward pieces
+    @property
+    def attn_impl(self) -> str:
+        return self.layer_config._attn_implementation
+
+    def cast(self, dtype: torch.dtype) -> "Eagle3Draft":
+        """Cast the trainable weights for inference; rotary frequencies and the vocab mapping keep their dtypes."""
+        for m in (self.fc, self.layers, self.norm, self.lm_head):
+            m.to(dtype)
+        return self
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """[.., n_aux·H] concatenated target features -> [.., H] step-0 input."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def _inputs(self, h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input [B, S, 2H], residual [B, S, H])."""
+        layer = self.layers[0]
+        w = self.fc.weight
+        h = h.to(w.dtype)
+        hn = layer.hidden_norm(h)
+        e = layer.input_layernorm(self._embed(ids).to(w.dtype))
+        return torch.cat([e, hn], dim=-1), (hn if self.config.norm_before_residual else h)
+
+    def _finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[0]
+        h = residual + attn_out
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [B, S, H] fused target features (fuse(aux)) or the draft's own earlier outputs
+        next_ids: torch.Tensor,  # [B, S] the token paired with each h (x_{t+1} at step 0)
+        position_ids: torch.Tensor,  # [B, S]
+        allowed: torch.Tensor,  # [B, S, K] bool: query s may attend key k (K = cached + S)
+        cache: Any = None,  # the draft's own 1-layer cache (drafting) or None
+    ) -> torch.Tensor:
+        """One pass with an arbitrary mask through the family's attention (drafting, trees): [B, S, H] outputs
+        (pre-final-norm; what is fed back as the next step's h)."""
+        x, residual = self._inputs(h, next_ids)
+        pos_emb = self.rotary(x, position_ids)
+        mask = attention_bias(allowed, self.attn_impl, x.dtype)
+        a, _ = self.layers[0].self_attn(hidden_states=x, position_embeddings=pos_emb, attention_mask=mask,
+                                        **{self._cache_kw: cache})
+        return self._finish(residual, a)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[.., H] draft outputs -> [.., DV] draft-vocabulary logits."""
+        return self.lm_head(self.norm(h.to(self.lm_head.weight.dtype)))
+
+    def _qkv(self, x: torch.Tensor, pos_emb: tuple[torch.Tensor, torch.Tensor],
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, nh, S, d], k/v [B, nkv, S, d] exactly as the family's attention computes them."""
+        attn = self.layers[0].self_attn
+        B, S, _ = x.shape
+        shape = (B, S, -1, attn.head_dim)
+        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3-style per-head norms
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = pos_emb
+        q, k = self._rope(q, k, cos, sin)
+        return q, k, v
+
+    def rollout(
+        self,
+        aux: torch.Tensor,  # [B, S, n_aux·H] target features at draft positions t
+        tokens: torch.Tensor,  # [B, S + steps - 1]: step s reads tokens[:, s : s + S] (x_{t+1+s})
+        position_ids: torch.Tensor,  # [B, S] position id of draft position t at step 0 (t, or per document)
+        step0: torch.Tensor,  # [B, S, S] bool causal (per-document) mask of step 0
+        steps: int,
+        dense: bool = False,  # tests/benchmark: the dense (k·S)² reference mask instead of the block form
+    ) -> list[torch.Tensor]:
+        """Training-time test: ``steps`` unrolled passes; step s's h is step s-1's output at the same position,
+        its tokens advance by s and its position ids by s. Returns the outputs [B, S, H] of every step."""
+        B, S, _ = aux.shape
+        assert tokens.shape[1] == S + steps - 1, (tokens.shape, S, steps)
+        attn = self.layers[0].self_attn
+        attend = ttt_attention_dense if dense else ttt_attention
+        h = self.fuse(aux)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs = []
+        for s in range(steps):
+            x, residual = self._inputs(h, tokens[:, s: s + S])
+            q, k, v = self._qkv(x, self.rotary(x, position_ids + s))
+            keys.append(k)
+            values.append(v)
+            a = attend(q, keys, values, step0, attn.scaling)  # [B, nh, S, d]
+            a = attn.o_proj(a.transpose(1, 2).reshape(B, S, -1))
+            h = self._finish(residual, a)
+            outs.append(h)
+        return outs
+
+    # ------------------------------------------------------------------ checkpoints
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights + the vocabulary mapping (buffers d2t/t2d): everything a checkpoint must hold."""
+        return dict(self.state_dict())
+
+    def save_pretrained(self, path: str | Path, target: TargetIdentity, extra: dict[str, Any] | None = None) -> Path:
+        check_vocab_mapping(self.d2t.cpu(), self.t2d.cpu(), self.config.draft_vocab_size, self.config.vocab_size,
+                            "the draft being saved")
+        return save_head(path, FAMILY, asdict(self.config), target.to_dict(), self.trainable_state_dict(), extra)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: FrozenTarget, allow_target_mismatch: bool = False,
+                        ) -> "Eagle3Draft":
+        cfg, tensors = read_head(path, FAMILY)
+        where = f"EAGLE-3 checkpoint {Path(path)}"
+        check_identity(cfg["target"], target.identity, where, strict_fingerprint=not allow_target_mismatch)
+        hc = dict(cfg["head_config"])
+        if int(hc.get("num_target_layers", 0)) != target.num_layers:
+            raise ValueError(f"{where}: field num_target_layers is {hc.get('num_target_layers')} there but the loaded "
+                             f"target has {target.num_layers} layers")
+        config = Eagle3Config(**hc)
+        current = _layer_fields(target.config)
+        for k, v in config.layer_config.items():
+            if k in current and current[k] != v:
+                raise ValueError(f"{where}: field layer_config.{k} is {v!r} there but {current[k]!r} for the loaded "
+                                 f"target {target.identity.name!r}")
+        check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), config.draft_vocab_size, config.vocab_size, where)
+        draft = cls(config, target)
+        missing, unexpected = draft.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{where}: weights do not match its config: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        return draft

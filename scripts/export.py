@@ -1,0 +1,248 @@
+"""Export a trained EAGLE-3 draft for serving engines: ``python scripts/export.py checkpoint=DIR format=FMT``.
+
+Formats (each a directory with ``config.json`` + ``model.safetensors``):
+
+* ``speculators`` — the vLLM ``speculators`` layout (``speculators_model_type: eagle3``): tensors
+  ``fc.weight``, ``layers.0.*``, ``norm.weight``, ``lm_head.weight``, ``embed_tokens.weight`` (written
+  from the target), ``d2t``, ``t2d`` (omitted when the draft vocabulary is the whole target vocabulary:
+  engines build no mapping then); config with ``transformer_layer_config`` (model_type set
+  explicitly: without it speculators silently assumes qwen3), ``draft_vocab_size``,
+  ``norm_before_residual`` (written explicitly: vLLM and speculators default it differently),
+  ``eagle_aux_hidden_state_layer_ids`` and ``speculators_config`` (algorithm, greedy proposal,
+  verifier name_or_path + architectures).
+* ``sglang`` — the SGLang / SpecForge layout: a flat Llama config with
+  ``architectures: [LlamaForCausalLMEagle3]``, top-level ``draft_vocab_size`` and the aux ids under
+  ``eagle_config``; tensors as above with ``layers.0.`` renamed ``midlayer.``.
+
+Aux layer ids: ours (and vLLM's) id i is the *input* of decoder layer i. SGLang adds one to explicit
+ids (its id i is the *output* of layer i), so the sglang export writes i-1 — and refuses id 0.
+
+Every export is checked strictly before it is renamed into place: exactly the required tensor keys
+(none missing, none extra) with the expected shapes and dtypes, and the required config fields.
+Loading an export back into speculators is tested (tests/test_export.py, scripts/speculators_check.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from safetensors.torch import load_file, save_file
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python scripts/export.py` from the repo root
+    sys.path.insert(0, str(REPO))
+
+from heads.checkpoint import atomic_dir  # noqa: E402
+from heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
+from heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("speculators", "sglang")
+SPECULATORS_LAYER_TYPES = ("llama", "qwen3")  # draft-layer families speculators 0.9 builds
+SGLANG_LAYER_TYPES = ("llama",)  # LlamaForCausalLMEagle3
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+# Layer-config fields a serving engine needs to rebuild the draft layer.
+LAYER_CONFIG_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                       "head_dim", "hidden_act", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                       "attention_bias", "attention_dropout", "mlp_bias", "initializer_range", "bos_token_id",
+                       "eos_token_id", "pad_token_id")
+SPECULATORS_CONFIG_FIELDS = ("speculators_model_type", "transformer_layer_config", "draft_vocab_size",
+                             "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "speculators_config")
+SGLANG_CONFIG_FIELDS = ("architectures", "model_type", "draft_vocab_size", "vocab_size", "hidden_size",
+                        "num_hidden_layers", "eagle_config", "tie_word_embeddings")
+
+
+def _core_keys(prefix: str, mapping: bool) -> set[str]:
+    """Tensors every EAGLE-3 export has, whatever the layer family (a guard against a drifting module)."""
+    layer = {f"{prefix}.self_attn.{p}_proj.weight" for p in "qkvo"}
+    layer |= {f"{prefix}.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+    layer |= {f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    return layer | {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"} | (
+        {"d2t", "t2d"} if mapping else set())
+
+
+def _has_mapping(draft: Eagle3Draft) -> bool:
+    """A draft over the whole target vocabulary has the identity mapping; engines then expect no d2t/t2d
+    (speculators builds no such buffers and would report them as unexpected)."""
+    return draft.config.draft_vocab_size != draft.config.vocab_size
+
+
+def _rename(k: str, prefix: str) -> str:
+    return prefix + k[len("layers.0"):] if k.startswith("layers.0.") else k
+
+
+def export_tensors(draft: Eagle3Draft, target: FrozenTarget, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The export's tensors: the draft's weights (renamed for sglang), the target's embedding, d2t/t2d."""
+    prefix = "layers.0" if fmt == "speculators" else "midlayer"
+    out: dict[str, torch.Tensor] = {}
+    for k, v in draft.state_dict().items():
+        if k in ("d2t", "t2d"):
+            if _has_mapping(draft):
+                out[k] = v.detach().cpu()
+            continue
+        out[_rename(k, prefix)] = v.detach().to("cpu", dtype)
+    out["embed_tokens.weight"] = target.embed_tokens().weight.detach().to("cpu", dtype)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def required_keys(draft: Eagle3Draft, fmt: str) -> set[str]:
+    prefix = "layers.0" if fmt == "speculators" else "midlayer"
+    mapping = _has_mapping(draft)
+    keys = {_rename(k, prefix) for k in draft.state_dict() if mapping or k not in ("d2t", "t2d")}
+    keys.add("embed_tokens.weight")
+    core = _core_keys(prefix, mapping)
+    assert core <= keys, f"the draft module lacks export tensors {sorted(core - keys)}"
+    return keys
+
+
+def check_export(tensors: dict[str, torch.Tensor], config: dict[str, Any], fmt: str, required: set[str],
+                 where: str) -> None:
+    """Strict check: exactly the required keys, the right shapes/dtypes, and the config fields engines read."""
+    missing, extra = sorted(required - set(tensors)), sorted(set(tensors) - required)
+    if missing or extra:
+        raise ValueError(f"{where}: {fmt} export does not have exactly the required tensors: missing {missing}, "
+                         f"unexpected {extra}")
+    need = SPECULATORS_CONFIG_FIELDS if fmt == "speculators" else SGLANG_CONFIG_FIELDS
+    absent = [k for k in need if k not in config]
+    if absent:
+        raise ValueError(f"{where}: {fmt} config.json lacks required fields {absent}")
+    lc = config["transformer_layer_config"] if fmt == "speculators" else config
+    if fmt == "speculators" and "model_type" not in lc:
+        raise ValueError(f"{where}: transformer_layer_config lacks model_type (speculators would assume qwen3)")
+    H, V, DV = int(lc["hidden_size"]), int(lc["vocab_size"]), int(config["draft_vocab_size"])
+    n_aux = len(config["eagle_aux_hidden_state_layer_ids"] if fmt == "speculators"
+                else config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    prefix = "layers.0" if fmt == "speculators" else "midlayer"
+    shapes = {"fc.weight": (H, n_aux * H), "lm_head.weight": (DV, H), "embed_tokens.weight": (V, H),
+              "norm.weight": (H,), f"{prefix}.hidden_norm.weight": (H,), f"{prefix}.input_layernorm.weight": (H,)}
+    for p in "qkv":
+        shapes[f"{prefix}.self_attn.{p}_proj.weight"] = (tensors[f"{prefix}.self_attn.{p}_proj.weight"].shape[0], 2 * H)
+    for k, s in shapes.items():
+        if tuple(tensors[k].shape) != s:
+            raise ValueError(f"{where}: tensor {k} has shape {tuple(tensors[k].shape)}, expected {s}")
+    if DV != V:
+        check_vocab_mapping(tensors["d2t"], tensors["t2d"], DV, V, where)
+
+
+def _layer_config(draft: Eagle3Draft) -> dict[str, Any]:
+    d = json.loads(draft.layer_config.to_json_string(use_diff=False))
+    out = {k: d[k] for k in LAYER_CONFIG_FIELDS if k in d}
+    out.update(vocab_size=draft.config.vocab_size, num_hidden_layers=1, tie_word_embeddings=False)
+    if d.get("layer_types"):
+        out["layer_types"] = list(d["layer_types"][:1])
+    return out
+
+
+def speculators_config(draft: Eagle3Draft, verifier: str, verifier_architectures: list[str], speculative_tokens: int,
+                       dtype: torch.dtype) -> dict[str, Any]:
+    c = draft.config
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": _layer_config(draft),
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": bool(c.norm_before_residual),
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),  # id i = input of decoder layer i (vLLM's convention)
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens)}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "dtype": DTYPE_NAMES[dtype],
+    }
+
+
+def sglang_config(draft: Eagle3Draft, dtype: torch.dtype) -> dict[str, Any]:
+    c = draft.config
+    if c.norm_before_residual:
+        raise ValueError("the sglang format has no norm_before_residual (its midlayer keeps the un-normed residual); "
+                         "export this draft with format=speculators")
+    if min(c.aux_layers) < 1:
+        raise ValueError(f"aux layer 0 (the embedding output) cannot be expressed in SGLang's convention "
+                         f"(its id i is the output of decoder layer i); aux layers are {c.aux_layers}")
+    lc = _layer_config(draft)
+    rope = lc.pop("rope_parameters", None) or {}
+    out = {"architectures": ["LlamaForCausalLMEagle3"], **lc, "draft_vocab_size": c.draft_vocab_size,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [a - 1 for a in c.aux_layers],
+                            "use_aux_hidden_state": True},
+           "torch_dtype": DTYPE_NAMES[dtype]}
+    if "rope_theta" in rope:  # engines on older transformers read the flat field
+        out["rope_theta"] = rope["rope_theta"]
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    out["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    return out
+
+
+def export(draft: Eagle3Draft, target: FrozenTarget, out: str | Path, fmt: str, verifier: str | None = None,
+           speculative_tokens: int = 3, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the export directory atomically after a strict check; returns its path."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    model_type = draft.layer_config.model_type
+    allowed = SPECULATORS_LAYER_TYPES if fmt == "speculators" else SGLANG_LAYER_TYPES
+    if model_type not in allowed:
+        raise ValueError(f"the {fmt} format supports EAGLE-3 draft layers of model_type {list(allowed)}; this draft "
+                         f"was built from the target's {model_type!r} layer")
+    if fmt == "speculators":
+        archs = list(getattr(target.config, "architectures", None) or [type(target.model).__name__])
+        config = speculators_config(draft, verifier or target.identity.name, archs, speculative_tokens, dtype)
+    else:
+        config = sglang_config(draft, dtype)
+    tensors = export_tensors(draft, target, fmt, dtype)
+    check_export(tensors, config, fmt, required_keys(draft, fmt), f"export of {fmt}")
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return Path(out)
+
+
+def verify_export(path: str | Path, draft: Eagle3Draft, fmt: str) -> None:
+    """Read an export back and re-run the strict check (what the job does after writing)."""
+    path = Path(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    check_export(tensors, config, fmt, required_keys(draft, fmt), str(path))
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    # ---- setup
+    if cfg.format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {cfg.format!r}")
+    dtype = parse_dtype(cfg.dtype)
+    tcfg = TargetConfig(**{**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__},
+                           "dtype": cfg.dtype})
+    target = load_target(tcfg)
+    draft = Eagle3Draft.from_pretrained(cfg.checkpoint, target, bool(cfg.allow_target_mismatch))
+    ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
+    steps = int(cfg.speculative_tokens or ck.get("ttt_steps") or 3)
+    verifier = cfg.verifier or resolve_target(tcfg)[0]
+    out = Path(cfg.out or f"{str(cfg.checkpoint).rstrip('/')}-{cfg.format}")
+    # ---- export + check
+    export(draft, target, out, cfg.format, verifier, steps, dtype)
+    verify_export(out, draft, cfg.format)
+    summary = {"out": str(out), "format": cfg.format, "verifier": verifier, "dtype": cfg.dtype,
+               "aux_layers": draft.config.aux_layers, "draft_vocab_size": draft.config.draft_vocab_size,
+               "speculative_tokens": steps}
+    log.info("exported: %s", json.dumps(summary))
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="export")
+def _hydra_main(cfg: DictConfig) -> None:
+    main(cfg)
+
+
+if __name__ == "__main__":
+    _hydra_main()

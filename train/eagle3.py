@@ -1,0 +1,395 @@
+"""Train an EAGLE-3 draft on a frozen target: ``accelerate launch train/eagle3.py [overrides]``.
+
+Training-time test: every batch unrolls ``head.ttt_steps`` (k) passes of the draft. Step 0 at draft
+position t reads fc(aux features at t) with token x_{t+1}; step s reads the draft's own step s-1
+output at t with the teacher-forced token x_{t+1+s} at position id t+s, and predicts x_{t+2+s}.
+Attention of step s: causal over step 0's keys, plus the same-position key of every step 1..s
+(heads.eagle3.ttt_attention, without a dense (k·T)² mask).
+
+Loss: Σ_s decay^s · soft-CE(draft, p̃_target) summed over the valid positions of step s
+(``shifted_valid(batch, 2+s)``: x_{t+2+s} is an assistant token of the same document) and divided
+by the number of valid step-0 positions in the global batch (the loop's normalizer). p̃_target is the
+target's next-token distribution restricted to the draft vocabulary and renormalized (a softmax over
+the target's logits at the draft-vocab ids). Out-of-draft-vocab targets: their probability mass is
+dropped by the renormalization (the draft cannot propose those tokens anyway); positions are kept
+even when little mass remains. ``vocab_mass`` (mean in-vocab mass) and ``oov_argmax`` (share of
+positions whose target argmax is outside the draft vocab) are logged, and top-1 accuracy per step
+compares the draft's argmax with the target's argmax over the *full* vocabulary, so an
+out-of-vocab target token is a miss.
+
+Draft vocabulary: the ``draft_vocab_size`` most frequent assistant-token ids of the training split
+(data_prep.draft_vocab) for a fresh draft; taken from the checkpoint — never recounted — when
+resuming (``train.resume``) or fine-tuning (``head.init_from``).
+
+Reads top to bottom: setup, loop (shared Trainer), save. ``main(cfg)`` is a plain function.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from data_prep.dataset import collate, prepare_data, shifted_valid
+from data_prep.draft_vocab import count_assistant_tokens, select_draft_vocab, vocab_stats
+from data_prep.features import batch_hidden, training_features
+from heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
+from heads.target import FrozenTarget, load_target
+from train.loop import Trainer, list_checkpoints, make_accelerator, resolve_out_dir, save_run_config
+
+log = logging.getLogger(__name__)
+
+TARGET_CHUNK = 2048  # rows per chunk of the target's lm_head (bounds its [rows, V] logits)
+CE_CHUNK_ELEMENTS = 1 << 22  # elements per row chunk of the fused soft-CE (bounds its fp32 temporaries)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """Σ_rows soft-CE(p, softmax(z)) = Σ_rows (lse(z)·Σp − p·z), fused and chunked over rows.
+
+    Why not log_softmax + product: on CPU that is ~8 full passes over an [n, DV] tensor per TTT step
+    (plus fp32 copies), which dominated the step time. Here: forward = one max, one exp, one dot per
+    row chunk; backward = grad · (softmax(z)·Σp − p), recomputed from z and the saved row lse. Also
+    returns argmax(z) [n] (non-differentiable) from the same max pass.
+    """
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        n = z.shape[0]
+        ctx.chunk = c = max(1, CE_CHUNK_ELEMENTS // max(1, z.shape[1]))
+        lse = torch.empty(n, dtype=torch.float32, device=z.device)
+        amax = torch.empty(n, dtype=torch.long, device=z.device)
+        total = torch.zeros((), dtype=torch.float64, device=z.device)
+        for i in range(0, n, c):
+            zf, pf = z[i:i + c].to(torch.float32, copy=True), p[i:i + c].float()  # zf is modified
+            dot = (pf * zf).sum(-1)
+            m, amax[i:i + c] = zf.max(-1)
+            lse[i:i + c] = l = zf.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
+            total += (l * pf.sum(-1) - dot).sum().double()
+        ctx.save_for_backward(z, p, lse)
+        ctx.mark_non_differentiable(amax)
+        return total.float(), amax
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _unused: Any) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        z, p, lse = ctx.saved_tensors
+        c = ctx.chunk
+        grad = torch.empty_like(z)
+        for i in range(0, z.shape[0], c):
+            pf = p[i:i + c].float()
+            q = z[i:i + c].to(torch.float32, copy=True).sub_(lse[i:i + c, None]).exp_()
+            q.mul_(pf.sum(-1, keepdim=True))
+            grad[i:i + c] = q.sub_(pf).mul_(g)
+        return grad, None
+
+
+class Eagle3Objective(nn.Module):
+    """Σ_s decay^s · soft-CE over k training-time-test steps (see the module doc for alignment and masking)."""
+
+    def __init__(self, draft: Eagle3Draft, target: FrozenTarget, ttt_steps: int = 7, decay: float = 0.8,
+                 loss_checkpoint: bool = True):
+        super().__init__()
+        if ttt_steps < 1:
+            raise ValueError(f"head.ttt_steps must be >= 1, got {ttt_steps}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"head.ttt_decay must be in (0, 1], got {decay}")
+        self.draft = draft
+        object.__setattr__(self, "target", target)  # unregistered: never optimized, wrapped or saved
+        self.steps, self.decay, self.loss_checkpoint = int(ttt_steps), float(decay), bool(loss_checkpoint)
+        self.aux = list(draft.config.aux_layers)
+        self.top = target.num_layers  # layer L: the target's logits are lm_head(f^L)
+        self.layers = sorted(set(self.aux) | {self.top})  # what the features source must provide
+        self._split: tuple[torch.Tensor, ...] | None = None
+
+    def num_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return shifted_valid(batch, 2).sum()
+
+    @staticmethod
+    def draft_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step-0 positions [B, T-1] and causal (per-document) mask [B, T-1, T-1] of the draft's sequence."""
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        S = T - 1
+        causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
+        if "doc_ids" in batch:
+            doc = batch["doc_ids"][:, :S]
+            return batch["position_ids"][:, :S], causal[None] & (doc[:, :, None] == doc[:, None, :])
+        return torch.arange(S, device=ids.device)[None].expand(B, S), causal[None].expand(B, S, S)
+
+    def _split_head(self) -> tuple[torch.Tensor, ...]:
+        """The target's lm_head rows split into draft-vocab rows [DV, H] and the rest [V-DV, H] (+ biases)."""
+        head = self.target.lm_head()
+        w, t2d = head.weight, self.draft.t2d.to(head.weight.device)
+        if self._split is None or self._split[0].device != w.device or self._split[0].dtype != w.dtype:
+            b = head.bias
+            self._split = (w[t2d], w[~t2d], None if b is None else b[t2d], None if b is None else b[~t2d])
+        return self._split
+
+    @torch.no_grad()
+    def target_info(self, top: torch.Tensor) -> dict[str, torch.Tensor]:
+        """From the target's final-normed states [B, T, H]: its distribution restricted to the draft vocabulary and
+        renormalized [B, T, DV] (target dtype), its full-vocab argmax as a draft id (-1 when outside the draft
+        vocab) [B, T], and its probability mass inside the draft vocab [B, T]."""
+        B, T, H = top.shape
+        w_in, w_out, b_in, b_out = self._split_head()
+        rows = top.reshape(B * T, H).to(w_in.dtype)
+        probs, amax, mass = [], [], []
+        for i in range(0, B * T, TARGET_CHUNK):
+            r = F.linear(rows[i:i + TARGET_CHUNK], w_in, b_in).float()  # [c, DV] logits at the draft-vocab ids
+            m_in, a_in = r.max(-1)
+            lse_in = torch.logsumexp(r, -1)
+            if w_out.shape[0]:
+                o = F.linear(rows[i:i + TARGET_CHUNK], w_out, b_out).float()  # [c, V-DV]
+                m_out, lse_out = o.max(-1).values, torch.logsumexp(o, -1)
+            else:  # DV = V
+                m_out = lse_out = torch.full_like(m_in, float("-inf"))
+            probs.append(torch.softmax(r, -1).to(top.dtype))
+            amax.append(torch.where(m_in >= m_out, a_in, -1))  # draft ids are sorted target ids: argmax order agrees
+            mass.append(torch.exp(lse_in - torch.logaddexp(lse_in, lse_out)))
+        return {"probs": torch.cat(probs).view(B, T, -1), "argmax": torch.cat(amax).view(B, T),
+                "mass": torch.cat(mass).view(B, T)}
+
+    def _step_ce(self, h: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ soft-CE, draft argmax) of one step's valid rows: h [n, H], target draft-vocab probabilities [n, DV]."""
+        return SoftCrossEntropy.apply(self.draft.logits(h), p)
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        S, k = T - 1, self.steps
+        hidden = batch_hidden(batch, self.target, self.layers)
+        aux = torch.cat([hidden[a][:, :S] for a in self.aux], dim=-1)  # [B, S, n_aux·H] features at t
+        tokens = torch.cat([ids[:, 1:], ids.new_zeros(B, k - 1)], dim=1)  # [B, S+k-1]; step s reads x_{t+1+s}
+        pos, step0 = self.draft_inputs(batch)
+        outs = self.draft.rollout(aux, tokens, pos, step0, k)  # k × [B, S, H]
+        tgt = self.target_info(hidden[self.top])
+        loss = torch.zeros((), device=ids.device)
+        stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for s in range(k):  # every step runs, even without labels: ZeRO-3/FSDP forwards are collective
+            m = max(T - 2 - s, 0)  # draft positions t whose label x_{t+2+s} exists
+            valid = shifted_valid(batch, 2 + s) if m else ids.new_zeros(B, 0, dtype=torch.bool)  # [B, m]
+            n = valid.sum().float()
+            h = outs[s][:, :m][valid]  # [n, H]
+            p = tgt["probs"][:, 1 + s: 1 + s + m][valid]  # [n, DV] target distribution of x_{t+2+s}
+            if self.loss_checkpoint and torch.is_grad_enabled():  # keep [n, DV] logits out of the saved graph
+                ce, pred = checkpoint(self._step_ce, h, p, use_reentrant=False)
+            else:
+                ce, pred = self._step_ce(h, p)
+            loss = loss + (self.decay ** s) * ce
+            with torch.no_grad():
+                hits = (pred == tgt["argmax"][:, 1 + s: T - 1][valid]).sum().float()  # OOV argmax (-1) never hits
+            stats[f"ce/s{s}"] = (ce.detach(), n)
+            stats[f"top1/s{s}"] = (hits, n)
+            if s == 0:
+                stats["oov_argmax"] = ((tgt["argmax"][:, 1: T - 1][valid] < 0).sum().float(), n)
+                stats["vocab_mass"] = (tgt["mass"][:, 1: T - 1][valid].sum().float(), n)
+        return loss, stats
+
+    @torch.no_grad()
+    def acceptance_ranks(self, batch: dict[str, torch.Tensor], top_k: int = 10) -> tuple[torch.Tensor, int]:
+        """Ranks [n, k] of the greedy reference among the draft's depth-d top-k, for the loop's simulated τ.
+
+        Scored positions t: the next k+1 tokens x_{t+1..t+k+1} are assistant tokens equal to the target's own
+        greedy choices. Decoding from root x_{t+1} drafts depth d with exactly TTT step d-1 at t (teacher-forced
+        on the reference prefix), so its candidates are checked against x_{t+1+d}; a reference token outside
+        the draft vocabulary is never a candidate (rank = top_k)."""
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        S, k = T - 1, self.steps
+        hidden = batch_hidden(batch, self.target, self.layers)
+        greedy = torch.cat([self.target.lm_head()(hidden[self.top][i]).argmax(-1)[None] for i in range(B)])  # [B, T]
+        nxt = shifted_valid(batch, 1)  # [B, T-1]: token t+1 is an assistant token
+        follows = nxt & (ids[:, 1:] == greedy[:, :-1])  # token t+1 is the target's greedy choice
+        W = k + 1
+        n_pos = max(T - W, 0)
+        win = follows.unfold(1, W, 1).all(-1)[:, :n_pos] if n_pos > 0 else follows.new_zeros(B, 0)  # [B, n_pos]
+        aux = torch.cat([hidden[a][:, :S] for a in self.aux], dim=-1)
+        tokens = torch.cat([ids[:, 1:], ids.new_zeros(B, k - 1)], dim=1)
+        pos, step0 = self.draft_inputs(batch)
+        outs = self.draft.rollout(aux, tokens, pos, step0, k)
+        draft_id_of = self.draft.t2d.long().cumsum(0) - 1
+        ranks = []
+        for s in range(k):  # every step's lm_head runs on every rank, also for n = 0
+            ref = ids[:, 2 + s: 2 + s + n_pos][win]  # [n] x_{t+2+s}
+            ref_d = torch.where(self.draft.t2d[ref], draft_id_of[ref], -1)
+            logits = self.draft.logits(outs[s][:, :n_pos][win])  # [n, DV]
+            top = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices
+            hit = top == ref_d[:, None]
+            ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(ref_d, top_k)))
+        return torch.stack(ranks, dim=1), int(nxt.sum())
+
+    def save_pretrained(self, path, extra: dict[str, Any]) -> None:
+        self.draft.save_pretrained(path, self.target.identity, extra)
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Resume: weights and the (unchanged) vocabulary mapping from a checkpoint of this same run."""
+        for k in ("d2t", "t2d"):
+            if k not in state:
+                raise ValueError(f"checkpoint state has no {k}: not an EAGLE-3 checkpoint of this run")
+            if not torch.equal(state[k].to(getattr(self.draft, k).device), getattr(self.draft, k)):
+                raise ValueError(f"checkpoint {k} differs from this draft's vocabulary mapping; the mapping is never "
+                                 f"replaced silently (resume builds the draft from the checkpoint)")
+        self.draft.load_state_dict(state)
+
+
+@torch.no_grad()
+def held_out_metrics(objective: Eagle3Objective, heldout: Any, batch_fn, acc, max_tokens: int) -> dict[str, float]:
+    """Held-out CE (step 0) and top-1 agreement with the target per TTT step (online features)."""
+    was = objective.training
+    objective.eval()
+    sums: dict[str, list[float]] = {}
+    # Rows until ~max_tokens, then the same number of batches on every rank (ZeRO-3/FSDP forwards are collective).
+    n_rows, tokens = 0, 0
+    for n_rows, x in enumerate(heldout["input_ids"], start=1):
+        tokens += len(x)
+        if tokens >= max_tokens:
+            break
+    with acc.autocast():
+        for idx, counted in _lockstep(n_rows, 4, acc):
+            b = {k: v.to(acc.device) for k, v in batch_fn([heldout[j] for j in idx]).items()}
+            _, st = objective(b)
+            for k, (s, c) in st.items():
+                p = sums.setdefault(k, [0.0, 0.0])
+                p[0] += float(s) if counted else 0.0
+                p[1] += float(c) if counted else 0.0
+    objective.train(was)
+    keys = sorted(sums)
+    vec = torch.tensor([sums[k][j] for k in keys for j in (0, 1)], dtype=torch.float64)
+    if acc.num_processes > 1:
+        vec = acc.reduce(vec.to(acc.device), "sum").cpu()
+    out = {}
+    for i, k in enumerate(keys):
+        if vec[2 * i + 1] > 0:
+            out["heldout_" + k.replace("/", "_")] = float(vec[2 * i] / vec[2 * i + 1])
+    return out
+
+
+def _lockstep(num_rows: int, batch_size: int, acc: Any) -> list[tuple[list[int], bool]]:
+    """This rank's (indices, counted) held-out batches, the same number on every rank (train.loop's helper
+    where the shared loop has it)."""
+    try:
+        from train.loop import lockstep_batches
+    except ImportError:  # an older shared loop: plain round-robin, ranks padded with an uncounted repeat
+        batches = [list(range(i, min(i + batch_size, num_rows))) for i in range(0, num_rows, batch_size)]
+        rounds = -(-len(batches) // acc.num_processes)
+        return [(batches[j], True) if j < len(batches) else (batches[0], False)
+                for j in (r * acc.num_processes + acc.process_index for r in range(rounds))]
+    return lockstep_batches(num_rows, batch_size, acc)
+
+
+def _from_checkpoint(path: Path, target: FrozenTarget, h: DictConfig, why: str) -> Eagle3Draft:
+    """A draft whose architecture and vocabulary come from a checkpoint; explicit head settings must agree."""
+    draft = Eagle3Draft.from_pretrained(path, target)
+    c = draft.config
+    for key, have in (("aux_layers", c.aux_layers), ("draft_vocab_size", c.draft_vocab_size)):
+        want = h.get(key)
+        if want is not None and (list(want) if key == "aux_layers" else int(want)) != have:
+            raise ValueError(f"head.{key}={want} but the checkpoint {path} ({why}) has {have}; its draft vocabulary "
+                             f"and architecture are kept — drop the override or start a fresh run")
+    if bool(h.norm_before_residual) != c.norm_before_residual:
+        raise ValueError(f"head.norm_before_residual={h.norm_before_residual} but the checkpoint {path} ({why}) has "
+                         f"{c.norm_before_residual}")
+    return draft
+
+
+def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
+    """Fresh draft with a draft vocabulary counted from the training split, or one taken from a checkpoint."""
+    h = cfg.head
+    ckpts = list_checkpoints(out_dir) if cfg.train.resume else []
+    if ckpts:
+        return _from_checkpoint(ckpts[-1][1], target, h, "resume"), {"source": f"resume:{ckpts[-1][1]}"}
+    if h.get("init_from"):
+        return _from_checkpoint(Path(h.init_from), target, h, "init_from"), {"source": f"init_from:{h.init_from}"}
+    V = target.vocab_size
+    dv = resolve_draft_vocab_size(h.draft_vocab_size, V)
+    config = eagle3_config_for(target, None if h.aux_layers is None else list(h.aux_layers), dv,
+                               bool(h.norm_before_residual))
+    if h.init_lm_head not in ("target", "random"):
+        raise ValueError(f"head.init_lm_head must be target or random, got {h.init_lm_head!r}")
+    counts = count_assistant_tokens(data.train, V)
+    vocab = select_draft_vocab(counts, dv)
+    torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
+    draft = Eagle3Draft(config, target)
+    draft.set_vocab(vocab, init_lm_head_from=target.lm_head().weight if h.init_lm_head == "target" else None)
+    return draft, {"source": "counted", **vocab_stats(counts, vocab)}
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Everything main() needs, exposed so tests can stop and resume the Trainer."""
+    acc = make_accelerator(cfg)
+    out_dir = resolve_out_dir(cfg)
+    target = load_target(cfg.target, device=acc.device)
+    with acc.main_process_first():
+        data = prepare_data(cfg.data, target.tokenizer)
+    h = cfg.head
+    draft, vocab_info = build_draft(cfg, target, data, out_dir)
+    draft = draft.to(acc.device)
+    objective = Eagle3Objective(draft, target, int(h.ttt_steps), float(h.ttt_decay), bool(h.loss_checkpoint))
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    features_dir = cfg.get("features", {}).get("dir")
+    train_data, batch_fn, source = training_features(features_dir, target, data, objective.layers, pad_id)
+    if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_run_config(cfg, out_dir)
+        log.info("EAGLE-3: %s layer, aux layers %s, draft vocab %d (%s), %.2fM trainable params, %d TTT steps; "
+                 "%d training examples; features %s", type(draft.layers[0]).__name__, draft.config.aux_layers,
+                 draft.config.draft_vocab_size, json.dumps(vocab_info),
+                 sum(p.numel() for p in draft.parameters()) / 1e6, objective.steps, len(data.train), source)
+    extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
+             "features": source, "draft_vocab": vocab_info, "ttt_steps": objective.steps,
+             "ttt_decay": objective.decay}
+    heldout_fn = lambda rows: collate(rows, pad_id)  # noqa: E731  (held-out metrics always use online features)
+
+    def evaluate(step: int) -> dict[str, Any]:
+        m = held_out_metrics(objective, data.heldout, heldout_fn, acc, int(cfg.train.eval_tokens))
+        if m:
+            extra["heldout"] = {k: round(v, 5) for k, v in m.items()}
+        return m
+
+    # The shared loop's simulated τ (train.sim_tau_examples) reads held-out rows through acceptance_ranks.
+    sim = {"heldout": data.heldout, "heldout_collate": heldout_fn} \
+        if "heldout" in inspect.signature(Trainer.__init__).parameters else {}
+    trainer = Trainer(cfg, acc, objective, train_data, batch_fn, out_dir, extra, evaluate=evaluate, **sim)
+    return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": source,
+            "vocab": vocab_info}
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    from train.eagle import _reset_peak_rss, _vm_hwm_mb
+
+    # ---- setup
+    b = build(cfg)
+    acc, out_dir = b["acc"], b["out_dir"]
+    # ---- loop
+    reset = _reset_peak_rss()
+    result = b["trainer"].fit()
+    loop_peak = _vm_hwm_mb() if reset else None
+    # ---- save
+    summary = {"family": "eagle3", "features": b["source"], "out_dir": str(out_dir), "final": str(result.final_dir),
+               "steps": result.steps, "ttt_steps": b["objective"].steps, "draft_vocab": b["vocab"],
+               "seconds": round(result.seconds, 1), "train_tokens_per_s": round(result.tokens_per_s, 1),
+               "peak_rss_mb": round(result.peak_memory_mb, 1),
+               "peak_rss_loop_mb": None if loop_peak is None else round(loop_peak, 1),
+               "losses": [round(r["loss"], 6) for r in result.history],
+               "last": result.history[-1] if result.history else {}}
+    if acc.is_main_process:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.info("done: %s", json.dumps(summary))
+    return summary
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="eagle3")
+def _hydra_main(cfg: DictConfig) -> None:
+    main(cfg)
+
+
+if __name__ == "__main__":
+    _hydra_main()
