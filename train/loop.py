@@ -7,6 +7,13 @@ holds the frozen target unregistered (so DDP/DeepSpeed never see its parameters)
 tokens, and a dict ``name -> (sum, count)`` of tensors for logging. The loop divides by the number
 of valid tokens in the *global* batch (all micro-batches of all processes in one optimizer step),
 so 1 process × batch 2B and 2 processes × batch B give the same update.
+
+Launch topology comes from the launcher (``accelerate launch --config_file conf/launch/<x>.yaml``), never
+from the hyperparameters: single process, DDP (nccl on GPU, gloo on CPU), DeepSpeed ZeRO-2/3 (the real
+engine, also on CPU over gloo) and FSDP2 (applied by this loop on CPU and GPU alike). The frozen target
+is never part of an optimizer; with ``train.shard_target`` its decoder layers can be sharded too. Every
+mode writes the same checkpoint layout: ``step-N/`` is a loadable head (gathered on rank 0) and
+``trainer_state/`` holds what an exact resume needs (see ``Trainer.save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import random
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -46,6 +54,18 @@ class Objective(Protocol):
 
     def save_pretrained(self, path: Path, extra: dict[str, Any]) -> None:
         ...
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the tensors ``save_pretrained`` wrote (resume in single/DDP modes)."""
+        ...
+
+    # Optional, for the simulated τ the loop logs on held-out data (see ``Trainer.simulated_tau``):
+    #   acceptance_ranks(batch) -> (LongTensor [n, D], int): at each of n scored positions, the rank of the
+    #       greedy reference token among the draft's depth-d candidates (d = 1..D, conditioned on the
+    #       reference prefix; any value >= top_k means "not among the candidates"; D fixed), and how many
+    #       positions were considered before the greedy-continuation filter (for the coverage figure).
+    #       Under ZeRO-3/FSDP it must call the same draft modules on every rank, even for n = 0.
+    #   sim_tree_paths() -> list of rank paths (the static tree eval would verify), or None for chain only.
 
 
 # ------------------------------------------------------------------------------------------
@@ -150,7 +170,11 @@ def set_rng_state(st: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------
 
 def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (temp dirs start with '.' and are ignored), oldest first."""
+    """Complete checkpoints (temp dirs start with '.' and are ignored), oldest first.
+
+    A checkpoint counts only once its ``trainer_state/state.json`` exists: that file is written last,
+    inside the temp dir, before the rename, so a job killed at any instant leaves either a complete
+    ``step-N/`` or a ``.step-N.tmp`` that is never picked up."""
     root = Path(out_dir) / "checkpoints"
     if not root.is_dir():
         return []
@@ -160,6 +184,309 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
         if m and (p / "trainer_state" / "state.json").is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+# ------------------------------------------------------------------------------------------
+# Launch topology
+# ------------------------------------------------------------------------------------------
+
+# accelerate hides FSDP from itself when we apply FSDP2 ourselves; remember that the launch asked for it.
+_FSDP_ENV = "DRAFTHEADS_USE_FSDP"
+
+
+def requested_launch() -> str:
+    """What the launcher asked for (accelerate's environment): 'deepspeed', 'fsdp' or 'default'."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        return "deepspeed"
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or os.environ.get(_FSDP_ENV) == "1":
+        return "fsdp"
+    return "default"
+
+
+def launch_mode(acc: Any) -> str:
+    """single | ddp | deepspeed | fsdp, as this process actually runs."""
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        return "deepspeed"
+    if requested_launch() == "fsdp" and acc.num_processes > 1:
+        return "fsdp"
+    return "ddp" if acc.num_processes > 1 else "single"
+
+
+def zero_stage(acc: Any) -> int | None:
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    return int(plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def _ensure_single_process_env() -> None:
+    """DeepSpeed needs a process group even for one process started without a launcher."""
+    if os.environ.get("LOCAL_RANK") is None:
+        import socket
+
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", str(port))})
+
+
+def _fill_deepspeed_config(acc: Any, cfg: Any) -> None:
+    """Batch, accumulation and clipping come from conf/train + conf/optim, never from the DeepSpeed JSON.
+
+    The draft stays fp32 inside the engine (bf16/fp16 engine modes forced off) and ``train.mixed_precision``
+    applies torch.autocast, exactly as in the other modes, so every launch config computes the same numbers
+    (the draft is small; its fp32 master copy is what matters)."""
+    ds = acc.state.deepspeed_plugin.deepspeed_config
+    t, o = cfg.train, cfg.optim
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ValueError(f"the DeepSpeed config sets {key!r}; the optimizer and LR schedule come from "
+                             f"conf/optim (remove {key!r} from the JSON)")
+    for key in ("bf16", "fp16"):
+        if str(ds.get(key, {}).get("enabled", False)).lower() in ("true", "auto") and key in ds:
+            log.info("DeepSpeed %s engine mode turned off: the draft keeps fp32 weights and train.mixed_precision "
+                     "autocasts its compute", key)
+        ds[key] = {"enabled": False}
+    ds["train_micro_batch_size_per_gpu"] = int(t.batch_size)
+    ds["gradient_accumulation_steps"] = int(t.grad_accum)
+    ds["train_batch_size"] = int(t.batch_size) * int(t.grad_accum) * acc.num_processes
+    ds["gradient_clipping"] = float(o.max_grad_norm or 0.0)
+    ds.setdefault("steps_per_print", 10 ** 9)
+
+
+def make_accelerator(cfg: Any):
+    """An Accelerator for the configured device and precision and the launcher's topology.
+
+    - CPU needs ``cpu=True`` to form a (gloo) process group for DDP.
+    - DeepSpeed: accelerate replaces DeepSpeed by plain CPU DDP when told ``cpu=True``; to run the real
+      engine on CPU we let accelerate take the DeepSpeed path with a gloo process group instead
+      (DeepSpeed picks its CPU accelerator by itself).
+    - FSDP: the loop applies FSDP2 ``fully_shard`` itself (same code on CPU and GPU; accelerate has no
+      CPU FSDP), so FSDP is hidden from accelerate, which then runs plain DDP-style bookkeeping.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
+
+    t = cfg.train
+    device = t.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"train.device must be auto, cpu or cuda, got {device!r}")
+    mp = t.mixed_precision
+    if mp not in ("no", "bf16", "fp16"):
+        raise ValueError(f"train.mixed_precision must be no, bf16 or fp16, got {mp!r}")
+    kw: dict[str, Any] = dict(mixed_precision=mp, gradient_accumulation_steps=int(t.grad_accum))
+    # accelerate keeps its state per process; a previous job in this process (a Hydra sweep, tests) must not
+    # leak its precision, accumulation or plugins into this one. The process group (PartialState) stays.
+    from accelerate.state import AcceleratorState, GradientState
+
+    if AcceleratorState._shared_state:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    req = requested_launch()
+    if req == "deepspeed":
+        if mp == "fp16":
+            raise ValueError("train.mixed_precision=fp16 is not supported under DeepSpeed here (the draft stays fp32 "
+                             "with autocast and no loss scaling): use bf16 or no")
+        if device == "cpu":
+            _ensure_single_process_env()
+            acc = Accelerator(cpu=False, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")], **kw)
+        else:
+            acc = Accelerator(**kw)
+        _fill_deepspeed_config(acc, cfg)
+        # accelerate registers its DeepSpeed config with transformers, which then builds every model under
+        # zero.Init when the stage is 3 - the frozen target included, lm_head and embeddings partitioned.
+        # Drafts read those directly, so the target loads whole and shard_frozen_target() partitions only
+        # its decoder layers (train.shard_target).
+        try:
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        except ImportError:  # pragma: no cover
+            pass
+    elif req == "fsdp":
+        os.environ[_FSDP_ENV] = "1"
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
+        acc = Accelerator(cpu=device == "cpu", **kw)
+    else:
+        acc = Accelerator(cpu=device == "cpu", **kw)
+    set_seed(int(t.seed))
+    if not acc.is_main_process:
+        _quiet_non_main_rank()
+    return acc
+
+
+def _quiet_non_main_rank() -> None:
+    """Only rank 0 writes log files (Hydra's job log) and info messages; other ranks keep warnings on stderr."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler):
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(logging.WARNING)
+
+
+def launch_info(acc: Any, mode: str | None = None) -> dict[str, Any]:
+    """What actually ran (logged into run_info.json / summary.json; tests assert it)."""
+    mode = mode or launch_mode(acc)
+    return {"mode": mode, "distributed_type": str(acc.distributed_type).split(".")[-1],
+            "num_processes": acc.num_processes, "device": str(acc.device.type),
+            "backend": getattr(acc.state, "backend", None), "zero_stage": zero_stage(acc)}
+
+
+def lockstep_batches(num_rows: int, batch_size: int, acc: Any) -> list[tuple[list[int], bool]]:
+    """This rank's share of rows 0..num_rows-1 as (indices, counted) batches, the same number on every rank.
+
+    Why: under ZeRO-3/FSDP (draft or target sharded) every forward is collective, so a rank that stops
+    early would leave the others waiting forever. Ranks short of a batch in the last round repeat batch 0
+    with counted=False (run, but not added to the metrics)."""
+    batches = [list(range(i, min(i + batch_size, num_rows))) for i in range(0, num_rows, batch_size)]
+    world, rank = acc.num_processes, acc.process_index
+    rounds = -(-len(batches) // world)
+    out = []
+    for r in range(rounds):
+        j = r * world + rank
+        out.append((batches[j], True) if j < len(batches) else (batches[0], False))
+    return out
+
+
+def accepted_lengths(ranks: torch.Tensor, paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Accepted draft tokens per position from candidate ranks [n, D] (>= top_k: not a candidate).
+
+    Chain (paths=None): the leading run of rank-0 hits. Static tree: the reference's rank path
+    (r_1, r_2, ...) is followed while it is a node of the tree — exactly what greedy verification of
+    that tree accepts, since at each depth at most one candidate equals the reference token."""
+    if ranks.numel() == 0:
+        return torch.zeros(ranks.shape[0], dtype=torch.long)
+    if paths is None:
+        return (ranks == 0).long().cumprod(dim=1).sum(dim=1)
+    nodes = {tuple(int(x) for x in p) for p in paths}
+    out = torch.zeros(ranks.shape[0], dtype=torch.long)
+    for i, row in enumerate(ranks.tolist()):
+        d = 0
+        while d < len(row) and tuple(row[: d + 1]) in nodes:
+            d += 1
+        out[i] = d
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Sharding helpers (FSDP2 for drafts and frozen targets; ZeRO-3 for frozen targets)
+# ------------------------------------------------------------------------------------------
+
+def _device_mesh(acc: Any):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(acc.device.type, (acc.num_processes,))
+
+
+def _plain_copy(objective: nn.Module) -> nn.Module:
+    """An unsharded host-memory copy of the draft (sharing the frozen target, which is never copied), from
+    which rank 0 writes head files under FSDP. Parameters are cloned straight to CPU, so the device never
+    holds a second copy."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    target = getattr(objective, "target", None)
+    if target is not None:
+        memo[id(target)] = target
+        for m in target.modules():
+            memo[id(m)] = m
+        for t in list(target.parameters()) + list(target.buffers()):
+            memo[id(t)] = t
+    for prm in objective.parameters():
+        if id(prm) not in memo:
+            memo[id(prm)] = nn.Parameter(prm.detach().to("cpu", copy=True), requires_grad=prm.requires_grad)
+    for buf in objective.buffers():
+        if id(buf) not in memo:
+            memo[id(buf)] = buf.detach().to("cpu", copy=True)
+    return copy.deepcopy(objective, memo)
+
+
+def shard_frozen_target(target: Any, acc: Any, mode: str, ds_stage: int | None) -> dict[str, Any]:
+    """Shard the frozen target's decoder layers over processes (it never enters an optimizer).
+
+    Only the decoder layers are sharded; embeddings, final norm and lm_head stay whole on every rank
+    because drafts call them directly (Medusa's shared lm_head, EAGLE's embedding). FSDP2: one
+    ``fully_shard`` per layer (all-gathered for its forward, freed after). ZeRO-3: a parameter-only
+    DeepSpeed engine (no optimizer) partitions the layers and gathers each in its forward hook.
+    Returns what it did, with the share of decoder-layer parameters this rank holds (≈ 1/processes)."""
+    layers = target.decoder_layers()
+    total = sum(p.numel() for p in layers.parameters())
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = _device_mesh(acc)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        local = sum(p.to_local().numel() for p in layers.parameters())
+        return {"kind": "fsdp2-decoder-layers", "local_fraction": local / max(1, total)}
+    if mode == "deepspeed" and ds_stage == 3:
+        import deepspeed
+
+        ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "train_batch_size": acc.num_processes, "steps_per_print": 10 ** 9,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_live_parameters": 10 ** 9, "stage3_prefetch_bucket_size": 0},
+              "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+        engine, *_ = deepspeed.initialize(model=layers, config=ds)
+        object.__setattr__(target, "_ds_layers_engine", engine)  # keep it alive; never stepped
+        local = sum(p.ds_tensor.numel() for p in layers.parameters())
+        return {"kind": "zero3-decoder-layers", "local_fraction": local / max(1, total)}
+    raise ValueError(f"train.shard_target=true needs an FSDP or DeepSpeed ZeRO-3 launch (this one is {mode}"
+                     + (f", ZeRO-{ds_stage}" if ds_stage is not None else "") + ")")
+
+
+def _safe_deepspeed_checkpoint_engine(engine: Any) -> None:
+    """Make the engine read its checkpoint files with ``torch.load(weights_only=True)``.
+
+    DeepSpeed's own loader unpickles (``weights_only=False``), which executes code from the file. Our
+    resume only ever reads checkpoints this loop wrote, but a copied run directory is still a file from
+    somewhere else: with this, anything but tensors, containers and the few allow-listed DeepSpeed
+    value types fails to load instead of running."""
+    try:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    except ImportError:  # pragma: no cover
+        return
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None or type(ce) is not TorchCheckpointEngine:
+        return
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    ce.load = load
+
+
+def _deepspeed_safe_globals() -> list[Any]:
+    import argparse
+    import collections
+
+    out: list[Any] = [argparse.Namespace, collections.OrderedDict, set]
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+        out += [LossScaler, DynamicLossScaler]
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        out.append(ZeroStageEnum)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        out.append(fragment_address)
+    except ImportError:  # pragma: no cover
+        pass
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -175,6 +502,20 @@ class TrainResult:
     seconds: float
     tokens_per_s: float
     peak_memory_mb: float
+    steps_per_s: float = 0.0
+    launch: dict[str, Any] = field(default_factory=dict)  # mode, distributed_type, processes, ZeRO stage
+    peak_memory_mb_per_rank: list[float] = field(default_factory=list)  # process peak RSS, every rank
+    peak_loop_memory_mb_per_rank: list[float] = field(default_factory=list)  # peak RSS during fit() only
+    trainable_params: int = 0
+    eval: dict[str, Any] | None = None  # eval_after summary (tau, tokens/s), rank 0 only
+
+    def summary_fields(self) -> dict[str, Any]:
+        """What every family's summary.json carries about scale-out (the sweep report reads these)."""
+        return {"launch": self.launch, "steps_per_s": round(self.steps_per_s, 4),
+                "trainable_params": self.trainable_params,
+                "peak_rss_mb_per_rank": [round(x, 1) for x in self.peak_memory_mb_per_rank],
+                "peak_rss_loop_mb_per_rank": [round(x, 1) for x in self.peak_loop_memory_mb_per_rank],
+                "eval": self.eval}
 
 
 def _peak_rss_mb() -> float:
@@ -183,12 +524,36 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux), so the loop's peak is not the model-loading peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_mb() -> float:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return _peak_rss_mb()
+
+
 class Trainer:
-    """Runs the loop for one objective. Construct, then ``fit()``."""
+    """Runs the loop for one objective. Construct, then ``fit()``.
+
+    ``heldout`` (+ ``heldout_collate``, default: the training collate) enables the simulated τ
+    (objectives that implement ``acceptance_ranks``) every ``train.eval_every`` steps and at the end."""
 
     def __init__(self, cfg: Any, accelerator: Any, objective: nn.Module, train_data: Any, collate: Callable,
                  out_dir: Path, checkpoint_extra: dict[str, Any] | None = None,
-                 evaluate: Callable[[int], dict] | None = None):
+                 evaluate: Callable[[int], dict] | None = None, heldout: Any = None,
+                 heldout_collate: Callable | None = None):
         self.cfg = cfg
         self.acc = accelerator
         self.objective = objective
@@ -197,12 +562,25 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.extra = checkpoint_extra or {}
         self.evaluate = evaluate  # held-out metrics every train.eval_every steps and before the final save
+        self.heldout = heldout
+        self.heldout_collate = heldout_collate or collate
         t, o = cfg.train, cfg.optim
         self.max_steps = int(t.max_steps)
         self.accum = int(t.grad_accum)
+        self.mode = launch_mode(self.acc)
+        self.zero_stage = zero_stage(self.acc)
+        self.target_sharding = self._maybe_shard_target()
+        self._shadow: nn.Module | None = None
+        if self.mode == "fsdp":  # shard first: FSDP2 swaps parameters, the optimizer must see the new ones
+            from torch.distributed.fsdp import fully_shard
+
+            self._shadow = _plain_copy(objective) if self.acc.is_main_process else None
+            fully_shard(objective, mesh=_device_mesh(self.acc),
+                        reshard_after_forward=os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false")
         params = [p for p in objective.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the draft has no trainable parameters")
+        self.trainable_params = int(sum(p.numel() for p in params))
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": float(o.weight_decay)},
@@ -211,40 +589,127 @@ class Trainer:
         warmup = int(o.warmup_steps) if o.warmup_steps is not None else int(o.warmup_ratio * self.max_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(warmup, self.max_steps, float(o.min_lr_ratio), o.schedule))
-        self.model, self.optimizer = self.acc.prepare(self.objective, self.optimizer)
+        if self.mode == "fsdp":
+            self.model, self.optimizer = objective, self.acc.prepare(self.optimizer)
+        else:
+            self.model, self.optimizer = self.acc.prepare(self.objective, self.optimizer)
+        if self.mode == "deepspeed":
+            _safe_deepspeed_checkpoint_engine(self.model)
         self.batches = GlobalBatches(
             [len(x) for x in train_data["input_ids"]], int(t.batch_size), self.acc.num_processes,
             self.acc.process_index, self.accum, int(t.seed), bool(t.group_by_length))
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.launch = {**launch_info(self.acc, self.mode), "target_sharding": self.target_sharding,
+                       "engine": type(self.model).__name__}
+
+    # ------------------------------------------------------------------ topology
+    def _maybe_shard_target(self) -> dict[str, Any] | None:
+        want = str(self.cfg.train.get("shard_target", "false")).lower()
+        if want not in ("auto", "true", "false"):
+            raise ValueError(f"train.shard_target must be auto, true or false, got {want!r}")
+        target = getattr(self.objective, "target", None)
+        sharding_launch = self.mode == "fsdp" or (self.mode == "deepspeed" and self.zero_stage == 3)
+        if want == "false" or target is None or (want == "auto" and not sharding_launch):
+            return None
+        return shard_frozen_target(target, self.acc, self.mode, self.zero_stage)
+
+    def _autocast(self):
+        """train.mixed_precision as torch.autocast in every mode (DeepSpeed keeps the draft fp32, see above)."""
+        mp = self.cfg.train.mixed_precision
+        if self.mode == "deepspeed" and mp != "no":
+            return torch.autocast(device_type=self.acc.device.type, dtype=torch.bfloat16)
+        return self.acc.autocast()
+
+    @contextmanager
+    def _full_draft(self) -> Iterator[None]:
+        """Draft parameters usable by direct submodule calls (held-out metrics): FSDP unshards them for the
+        duration; ZeRO-3 gathers per module in its hooks (lockstep over ranks, see lockstep_batches)."""
+        if self.mode == "fsdp":
+            self.model.unshard()
+            try:
+                yield
+            finally:
+                self.model.reshard()
+        else:
+            yield
 
     # ------------------------------------------------------------------ state
     def _unwrapped(self) -> nn.Module:
-        return self.acc.unwrap_model(self.model)
+        return self.acc.unwrap_model(self.model) if self.mode != "fsdp" else self.model
+
+    def _opt(self) -> torch.optim.Optimizer:
+        return self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
+
+    def _write_head(self, tmp: Path, extra: dict[str, Any]) -> None:
+        """Rank 0 writes a loadable head (config.json + model.safetensors) with *full* draft weights."""
+        acc = self.acc
+        if self.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if acc.is_main_process:
+                assert self._shadow is not None
+                self._shadow.load_state_dict(full)
+                self._shadow.save_pretrained(tmp, extra=extra)
+                from safetensors.torch import save_file
+
+                (tmp / "trainer_state").mkdir()
+                save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / "trainer_state" / "draft.safetensors"))
+        elif self.mode == "deepspeed" and self.zero_stage == 3:
+            import deepspeed
+
+            obj = self._unwrapped()
+            with deepspeed.zero.GatheredParameters(list(obj.parameters()), modifier_rank=None):
+                if acc.is_main_process:
+                    obj.save_pretrained(tmp, extra=extra)
+        elif acc.is_main_process:
+            self._unwrapped().save_pretrained(tmp, extra=extra)  # creates tmp
+        if acc.is_main_process:
+            (tmp / "trainer_state").mkdir(exist_ok=True)
 
     def save_checkpoint(self) -> Path:
-        """step-N/ = a loadable head checkpoint + trainer_state/ (optimizer, scheduler, RNG, step)."""
+        """step-N/ = a loadable head checkpoint + trainer_state/, written to .step-N.tmp and renamed.
+
+        trainer_state/: scheduler.pt, rng-rank{r}.pt (every rank), state.json (step, data position,
+        global batch, launch; written last) and the optimizer: optimizer.pt (single/DDP: the torch state;
+        FSDP: the full, gathered state + draft.safetensors with the draft's own parameter names) or
+        deepspeed/ (ZeRO: the engine's partitioned checkpoint, one optimizer shard per rank).
+        The directory must be on a filesystem all ranks share (multi-node: a shared volume)."""
         acc = self.acc
         root = self.out_dir / "checkpoints"
         final_dir = root / f"step-{self.step:06d}"
         tmp = root / f".step-{self.step:06d}.tmp"
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-            self._unwrapped().save_pretrained(tmp, extra={**self.extra, "step": self.step})  # creates tmp
-            (tmp / "trainer_state").mkdir()
+            root.mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
+        self._write_head(tmp, {**self.extra, "step": self.step})
+        acc.wait_for_everyone()
+        ts = tmp / "trainer_state"
         # Every rank saves its own RNG state: noise/dropout streams differ per rank.
-        torch.save(rng_state(), tmp / "trainer_state" / f"rng-rank{acc.process_index}.pt")
+        torch.save(rng_state(), ts / f"rng-rank{acc.process_index}.pt")
+        if self.mode == "deepspeed":
+            self.model.save_checkpoint(str(ts / "deepspeed"), tag="engine", client_state={}, save_latest=False)
+        elif self.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            osd = get_optimizer_state_dict(self.model, self._opt(),
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if acc.is_main_process:
+                torch.save(osd, ts / "optimizer.pt")
+        elif acc.is_main_process:
+            torch.save(self._opt().state_dict(), ts / "optimizer.pt")
         if acc.is_main_process:
-            torch.save(self.optimizer.optimizer.state_dict() if hasattr(self.optimizer, "optimizer")
-                       else self.optimizer.state_dict(), tmp / "trainer_state" / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), tmp / "trainer_state" / "scheduler.pt")
+            torch.save(self.scheduler.state_dict(), ts / "scheduler.pt")
         acc.wait_for_everyone()
         if acc.is_main_process:
-            (tmp / "trainer_state" / "state.json").write_text(json.dumps({
+            (ts / "state.json").write_text(json.dumps({
                 "step": self.step, "global_batch": self.batches.global_batch, "world": acc.num_processes,
-                "seed": int(self.cfg.train.seed), "max_steps": self.max_steps}))
+                "data_position": self.step * self.batches.global_batch,
+                "epoch": round(self.batches.epoch_of(self.step), 6), "seed": int(self.cfg.train.seed),
+                "max_steps": self.max_steps, "launch": self.launch}))
             if final_dir.exists():
                 shutil.rmtree(final_dir)
             os.replace(tmp, final_dir)
@@ -261,20 +726,51 @@ class Trainer:
             log.info("resume requested but no checkpoint in %s: starting fresh", self.out_dir / "checkpoints")
             return False
         step, path = ckpts[-1]
-        st = json.loads((path / "trainer_state" / "state.json").read_text())
+        ts = path / "trainer_state"
+        st = json.loads((ts / "state.json").read_text())
         if st["global_batch"] != self.batches.global_batch:
             raise ValueError(
                 f"cannot resume from {path}: it was trained with a global batch of {st['global_batch']} "
                 f"examples, this run uses {self.batches.global_batch} (batch_size × processes × grad_accum); "
                 f"the data position would not line up")
-        from safetensors.torch import load_file
+        saved_mode = st.get("launch", {}).get("mode", "single" if st.get("world", 1) == 1 else "ddp")
+        has_ds = (ts / "deepspeed").is_dir()
+        if self.mode == "deepspeed" or has_ds:
+            if not (self.mode == "deepspeed" and has_ds and st["world"] == self.acc.num_processes):
+                raise ValueError(
+                    f"cannot resume from {path}: it was written by a {saved_mode} run with {st['world']} processes "
+                    f"and this is a {self.mode} run with {self.acc.num_processes}; a DeepSpeed checkpoint holds one "
+                    f"optimizer shard per rank and resumes only under DeepSpeed with the same process count "
+                    f"(the head in {path} loads anywhere)")
+        if self.mode == "deepspeed":
+            self.model.load_checkpoint(str(ts / "deepspeed"), tag="engine", load_optimizer_states=True,
+                                       load_lr_scheduler_states=False, load_module_strict=True)
+        elif self.mode == "fsdp":
+            from safetensors.torch import load_file
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
 
-        state = load_file(str(path / "model.safetensors"))
-        self._unwrapped().load_trainable_state_dict(state)
-        opt = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
-        opt.load_state_dict(torch.load(path / "trainer_state" / "optimizer.pt", weights_only=True))
-        self.scheduler.load_state_dict(torch.load(path / "trainer_state" / "scheduler.pt", weights_only=True))
-        rng_file = path / "trainer_state" / f"rng-rank{self.acc.process_index}.pt"
+            if saved_mode != "fsdp":
+                raise ValueError(f"cannot resume {path} (written by a {saved_mode} run) under FSDP: its optimizer "
+                                 f"state is keyed differently; relaunch as {saved_mode} or start from its head")
+            # rank 0 reads the full state and broadcasts it; the other ranks keep only their shards
+            full, osd = {}, {}
+            if self.acc.is_main_process:
+                full = load_file(str(ts / "draft.safetensors"))
+                osd = torch.load(ts / "optimizer.pt", weights_only=True)
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.model, full, options=opts)
+            set_optimizer_state_dict(self.model, self._opt(), osd, options=opts)
+        else:
+            from safetensors.torch import load_file
+
+            if saved_mode == "fsdp":
+                raise ValueError(f"cannot resume {path} (written under FSDP) without FSDP: relaunch with "
+                                 f"conf/launch/fsdp.yaml, or start from its head")
+            self._unwrapped().load_trainable_state_dict(load_file(str(path / "model.safetensors")))
+            self._opt().load_state_dict(torch.load(ts / "optimizer.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(ts / "scheduler.pt", weights_only=True))
+        rng_file = ts / f"rng-rank{self.acc.process_index}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=True))
         self.step = step
@@ -282,7 +778,7 @@ class Trainer:
             lines = [ln for ln in self.metrics_path.read_text().splitlines()
                      if ln.strip() and json.loads(ln).get("step", 0) <= step]
             atomic_write_text(self.metrics_path, "\n".join(lines) + ("\n" if lines else ""))
-        log.info("resumed from %s at step %d", path, step)
+        log.info("resumed from %s at step %d (data position %d)", path, step, step * self.batches.global_batch)
         return True
 
     # ------------------------------------------------------------------ loop
@@ -298,7 +794,8 @@ class Trainer:
         micro = [self.collate([self.data[i] for i in idx]) for idx in self.batches.micro_batches(self.step)]
         micro = [{k: v.to(acc.device) for k, v in b.items()} for b in micro]
         denom = self._global_count(micro).clamp(min=1.0)
-        # accelerate/DeepSpeed divide by grad_accum and DDP averages over processes: undo both so the
+        # accelerate (DDP, FSDP) / the DeepSpeed engine divide by grad_accum, and DDP's all-reduce, FSDP's
+        # reduce-scatter and ZeRO's gradient reduction all average over processes: undo both so the
         # gradient is exactly (sum of token losses in the global batch) / (tokens in the global batch).
         scale = acc.num_processes * self.accum
         sums: dict[str, list[torch.Tensor]] = {}
@@ -307,7 +804,7 @@ class Trainer:
         gnorm = None
         for b in micro:
             with acc.accumulate(self.model):
-                with acc.autocast():
+                with self._autocast():
                     loss_sum, stats = self.model(b)
                 acc.backward(loss_sum * (scale / denom).to(loss_sum.dtype))
                 loss_sum_total += loss_sum.detach().double()
@@ -318,8 +815,10 @@ class Trainer:
                     pair[0] += s.detach().double()
                     pair[1] += c.detach().double()
                 if acc.sync_gradients:
-                    gnorm = acc.clip_grad_norm_(self.model.parameters(), float(self.cfg.optim.max_grad_norm)) \
-                        if self.cfg.optim.max_grad_norm else None
+                    if self.mode == "deepspeed":  # the engine clipped and stepped inside backward()
+                        gnorm = self.model.get_global_grad_norm()
+                    elif self.cfg.optim.max_grad_norm:
+                        gnorm = acc.clip_grad_norm_(self.model.parameters(), float(self.cfg.optim.max_grad_norm))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -334,7 +833,67 @@ class Trainer:
         for i, k in enumerate(keys):
             out[k] = float(vec[1 + i] / vec[1 + len(keys) + i].clamp(min=1))
         if gnorm is not None:
+            if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor
+                gnorm = gnorm.full_tensor()
             out["grad_norm"] = float(gnorm)
+        return out
+
+    @torch.no_grad()
+    def simulated_tau(self) -> dict[str, float]:
+        """Teacher-forced τ on the first ``train.sim_tau_examples`` held-out sequences (cheap, every eval).
+
+        What it simulates: greedy speculative decoding with the draft's chain (top-1 at every depth) and,
+        if the objective names one, its static tree. At a held-out position t whose next D+1 tokens are the
+        target's own greedy continuation (the target's argmax, teacher-forced on the held-out prefix; on
+        self-distilled data that is every position), a verification step starting at t accepts exactly the
+        drafted tokens that follow the reference, so ``accepted_lengths`` of the draft's candidate ranks is
+        what decoding would accept there. τ_sim = 1 + mean accepted over those positions. It weights every
+        such position equally, while real decoding starts steps only after accepted runs, and positions
+        where the held-out text leaves the greedy path are skipped (``sim_tau/coverage`` = share scored)."""
+        obj = self._unwrapped()
+        n_rows = min(len(self.heldout) if self.heldout is not None else 0,
+                     int(self.cfg.train.get("sim_tau_examples", 0) or 0))
+        if n_rows == 0 or not hasattr(obj, "acceptance_ranks"):
+            return {}
+        paths = obj.sim_tree_paths() if hasattr(obj, "sim_tree_paths") else None
+        acc = self.acc
+        was = obj.training
+        obj.train(False)
+        totals: torch.Tensor | None = None
+        with self._full_draft(), self._autocast():
+            for idx, counted in lockstep_batches(n_rows, 4, acc):
+                b = {k: v.to(acc.device) for k, v in self.heldout_collate([self.heldout[i] for i in idx]).items()}
+                ranks, considered = obj.acceptance_ranks(b)
+                ranks = ranks.cpu()
+                D = ranks.shape[1]
+                chain = accepted_lengths(ranks)
+                tree = accepted_lengths(ranks, paths) if paths is not None else chain
+                per_depth = torch.stack([(chain >= d).sum() for d in range(1, D + 1)]).double()
+                row = torch.cat([torch.tensor([ranks.shape[0], float(considered), chain.sum(), tree.sum()],
+                                              dtype=torch.float64), per_depth])
+                row = row if counted else torch.zeros_like(row)
+                totals = row if totals is None else totals + row
+        obj.train(was)
+        assert totals is not None
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals.to(acc.device), reduction="sum").cpu()
+        n = float(totals[0])
+        if n == 0:
+            return {"sim_tau/positions": 0.0}
+        out = {"sim_tau/chain": 1 + float(totals[2]) / n, "sim_tau/positions": n,
+               "sim_tau/coverage": n / max(float(totals[1]), 1.0)}
+        if paths is not None:
+            out["sim_tau/tree"] = 1 + float(totals[3]) / n
+        for d in range(len(totals) - 4):
+            out[f"sim_accept/chain@{d + 1}"] = float(totals[4 + d]) / n
+        return out
+
+    def _eval_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.evaluate is not None:
+            with self._full_draft():
+                out.update(self.evaluate(self.step))
+        out.update(self.simulated_tau())
         return out
 
     def fit(self, stop_after: int | None = None) -> TrainResult:
@@ -347,9 +906,11 @@ class Trainer:
         if t.resume:
             self.try_resume()
         wandb_run = self._init_wandb()
+        reset = _reset_peak_rss()
         bar = tqdm(total=self.max_steps, initial=self.step, desc="train", unit="step",
                    disable=not acc.is_main_process, mininterval=1.0)
         t0, tokens = time.perf_counter(), 0.0
+        start_step = self.step
         last = self.step + stop_after if stop_after is not None else self.max_steps
         window: list[dict[str, float]] = []
         while self.step < min(last, self.max_steps):
@@ -362,10 +923,12 @@ class Trainer:
                 row = {k: float(np.mean([w[k] for w in window if k in w])) for k in window[-1]}
                 row["step"] = self.step
                 row["epoch"] = round(self.batches.epoch_of(self.step), 4)
-                row["tokens_per_s"] = tokens / max(time.perf_counter() - t0, 1e-9)
+                elapsed = max(time.perf_counter() - t0, 1e-9)
+                row["tokens_per_s"] = tokens / elapsed
+                row["steps_per_s"] = (self.step - start_step) / elapsed
                 ev = int(t.get("eval_every") or 0)
-                if self.evaluate is not None and ev > 0 and self.step % ev == 0 and self.step < self.max_steps:
-                    row.update(self.evaluate(self.step))
+                if ev > 0 and self.step % ev == 0 and self.step < self.max_steps:
+                    row.update(self._eval_metrics())
                 window = []
                 self.history.append(row)
                 if acc.is_main_process:
@@ -377,13 +940,16 @@ class Trainer:
                 self.save_checkpoint()
         bar.close()
         elapsed = time.perf_counter() - t0
-        if self.evaluate is not None and self.step == self.max_steps:
-            final_eval = self.evaluate(self.step)
-            if self.history:
-                self.history[-1].update(final_eval)
-            if acc.is_main_process:
-                with open(self.metrics_path, "a") as f:
-                    f.write(json.dumps({"step": self.step, **final_eval}) + "\n")
+        if self.step == self.max_steps:
+            final_eval = self._eval_metrics()
+            if final_eval:
+                if self.history:
+                    self.history[-1].update(final_eval)
+                if acc.is_main_process:
+                    with open(self.metrics_path, "a") as f:
+                        f.write(json.dumps({"step": self.step, **final_eval}) + "\n")
+                    if wandb_run is not None:
+                        wandb_run.log(final_eval, step=self.step)
         ckpt = self.save_checkpoint()
         final_dir = self.out_dir / "final"
         if acc.is_main_process and self.step == self.max_steps:
@@ -391,25 +957,45 @@ class Trainer:
                 for f in ("config.json", "model.safetensors"):
                     shutil.copy2(ckpt / f, tmp / f)
             self._plot()
+        rss = torch.tensor([_peak_rss_mb(), _vm_hwm_mb() if reset else _peak_rss_mb()], dtype=torch.float64,
+                           device=acc.device)
+        rss_all = acc.gather(rss).reshape(-1, 2).cpu() if acc.num_processes > 1 else rss.reshape(1, 2).cpu()
         acc.wait_for_everyone()
+        steps_done = self.step - start_step
+        result = TrainResult(self.out_dir, final_dir, self.step, self.history, elapsed,
+                             tokens / max(elapsed, 1e-9), _peak_rss_mb(), steps_per_s=steps_done / max(elapsed, 1e-9),
+                             launch=self.launch, peak_memory_mb_per_rank=rss_all[:, 0].tolist(),
+                             peak_loop_memory_mb_per_rank=rss_all[:, 1].tolist(),
+                             trainable_params=self.trainable_params)
+        if acc.is_main_process and self.step == self.max_steps:
+            result.eval = run_eval_after(self.cfg, final_dir, self.out_dir)
+            if result.eval is not None and wandb_run is not None:
+                wandb_run.log({f"eval/{k}": v for k, v in result.eval.items() if isinstance(v, (int, float))},
+                              step=self.step)
+        if acc.is_main_process:
+            atomic_write_text(self.out_dir / "run_info.json", json.dumps(
+                {"steps": self.step, "seconds": round(elapsed, 3), "tokens_per_s": round(result.tokens_per_s, 2),
+                 **result.summary_fields()}, indent=2))
         if wandb_run is not None:
+            wandb_run.summary.update({k: v for k, v in result.summary_fields().items() if k != "eval"})
             wandb_run.finish()
-        return TrainResult(self.out_dir, final_dir, self.step, self.history, elapsed,
-                           tokens / max(elapsed, 1e-9), _peak_rss_mb())
+        return result
 
     # ------------------------------------------------------------------ logging
     def _init_wandb(self):
         lg = self.cfg.logging
+        if lg.wandb not in ("offline", "online", "disabled"):
+            raise ValueError(f"logging.wandb must be offline, online or disabled, got {lg.wandb!r}")
         if not self.acc.is_main_process or lg.wandb == "disabled":
             return None
-        if lg.wandb not in ("offline", "online"):
-            raise ValueError(f"logging.wandb must be offline, online or disabled, got {lg.wandb!r}")
         import wandb
         from omegaconf import OmegaConf
 
         os.environ.setdefault("WANDB_SILENT", "true")
+        config = OmegaConf.to_container(self.cfg, resolve=True)
+        config["launch"] = self.launch
         return wandb.init(project=lg.project, name=self.cfg.run_name, mode=lg.wandb, dir=str(self.out_dir),
-                          config=OmegaConf.to_container(self.cfg, resolve=True), resume="allow",
+                          config=config, resume="allow",
                           id=f"{self.cfg.run_name}".replace("/", "-")[:64] if lg.wandb == "online" else None)
 
     def _plot(self) -> None:
@@ -436,33 +1022,67 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------------------
-# Setup helpers used by every entry
+# Evaluate after training (one sweep job = train + eval)
 # ------------------------------------------------------------------------------------------
 
-def make_accelerator(cfg: Any):
-    """An Accelerator for the configured device and precision (CPU needs cpu=True to form a process group)."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-    t = cfg.train
-    device = t.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"train.device must be auto, cpu or cuda, got {device!r}")
-    mp = t.mixed_precision
-    if mp not in ("no", "bf16", "fp16"):
-        raise ValueError(f"train.mixed_precision must be no, bf16 or fp16, got {mp!r}")
-    acc = Accelerator(cpu=device == "cpu", mixed_precision=mp, gradient_accumulation_steps=int(t.grad_accum))
-    set_seed(int(t.seed))
-    return acc
 
+def compose_config(name: str, overrides: Sequence[str] = ()) -> Any:
+    """Compose a shipped config from inside a Hydra job (its search path is conf/) or from plain code."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name=name, overrides=list(overrides))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def run_eval_after(cfg: Any, final_dir: Path, out_dir: Path) -> dict[str, Any] | None:
+    """``train.eval_after.enabled``: run eval/acceptance.py on the final head (rank 0), write out_dir/eval.json.
+
+    The eval config is conf/eval.yaml with the run's own target and data (so the held-out split is the
+    one this run never trained on) and the ``train.eval_after`` fields on top (questions, max_questions, ...)."""
+    ea = cfg.train.get("eval_after")
+    if ea is None or not bool(ea.get("enabled", False)):
+        return None
+    from omegaconf import OmegaConf, open_dict
+
+    evcfg = compose_config("eval")
+    with open_dict(evcfg):
+        evcfg.target = OmegaConf.to_container(cfg.target, resolve=True)
+        evcfg.data = OmegaConf.to_container(cfg.data, resolve=True)
+        evcfg.checkpoint = str(final_dir)
+        evcfg.out = str(Path(out_dir) / "eval.json")
+        for k, v in OmegaConf.to_container(ea, resolve=True).items():
+            if k == "enabled":
+                continue
+            if k not in evcfg:
+                raise ValueError(f"train.eval_after.{k} is not an eval setting (see conf/eval.yaml)")
+            if isinstance(v, dict):
+                evcfg[k] = OmegaConf.merge(evcfg[k], v)
+            else:
+                evcfg[k] = v
+    from eval.acceptance import main as eval_main
+
+    t0 = time.perf_counter()
+    res = eval_main(evcfg)
+    s = res["summary"]
+    return {"tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "accept_at_depth": s["accept_at_depth"],
+            "turns": s["turns"], "seconds": round(time.perf_counter() - t0, 1), "file": str(evcfg.out)}
+
+
+# ------------------------------------------------------------------------------------------
+# Setup helpers used by every entry
+# ------------------------------------------------------------------------------------------
 
 def resolve_out_dir(cfg: Any) -> Path:
     """One output directory for all ranks: cfg.out_dir, else Hydra's job dir, else runs/<run_name>.
 
     Hydra's run dir is ``runs/<run_name>`` (no timestamp), so every process of a multi-process launch
-    resolves the same path; in a sweep each job gets its own numbered subdirectory.
+    resolves the same path; in a sweep each job gets its own numbered subdirectory
+    (``runs/sweeps/<run_name>/<job>``), the same on every rank because each rank runs the jobs in order.
     """
     if cfg.get("out_dir"):
         return Path(cfg.out_dir)

@@ -19,7 +19,7 @@ from torch import nn
 from data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget, load_target
-from train.loop import Trainer, make_accelerator, resolve_out_dir, save_run_config
+from train.loop import Trainer, lockstep_batches, make_accelerator, resolve_out_dir, save_run_config
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class MedusaObjective(nn.Module):
         self.heads = heads
         object.__setattr__(self, "target", target)  # unregistered: never optimized, wrapped or saved
         self.decay = decay
+        self.rank_accuracy: list[list[float]] | None = None  # latest held-out per-rank hit rates (tune the tree)
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return shifted_valid(batch, 2).sum()  # head 1's labels: the normalizer for all heads
@@ -46,14 +47,10 @@ class MedusaObjective(nn.Module):
         loss = hidden.new_zeros((), dtype=torch.float32)
         stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for k in range(1, self.heads.config.num_heads + 1):
-            if k + 1 >= T:
-                break
-            valid = shifted_valid(batch, k + 1)  # [B, T-k-1]
-            h = hidden[:, : T - k - 1][valid]  # [n, H]
-            labels = ids[:, k + 1:][valid]  # [n]
+            # Every head runs on every micro-batch, even with no labels: DDP expects all parameters to get
+            # gradients and ZeRO-3/FSDP forwards are collective, so no rank may skip a head.
+            h, labels = self._head_inputs(batch, hidden, k)
             n = labels.new_tensor(labels.numel(), dtype=torch.float32)
-            if labels.numel() == 0:
-                continue
             logits = self.heads.project(k - 1, self.heads.head_hidden(k - 1, h.to(torch.float32))).float()  # [n, V]
             ce = F.cross_entropy(logits, labels, reduction="sum")
             loss = loss + (self.decay ** k) * ce
@@ -63,6 +60,50 @@ class MedusaObjective(nn.Module):
                 stats[f"top1/{k}"] = ((top5[:, 0] == labels).sum().float(), n)
                 stats[f"top5/{k}"] = ((top5 == labels[:, None]).any(-1).sum().float(), n)
         return loss, stats
+
+    @staticmethod
+    def _head_inputs(batch: dict[str, torch.Tensor], hidden: torch.Tensor, k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [n, H] at positions t scored for head k (1-based) and their labels x_{t+k+1} [n]."""
+        ids = batch["input_ids"]
+        T = ids.shape[1]
+        if k + 1 >= T:  # sequence too short for this head: empty, but the head still runs
+            return hidden.new_zeros(0, hidden.shape[-1]), ids.new_zeros(0)
+        valid = shifted_valid(batch, k + 1)  # [B, T-k-1]
+        return hidden[:, : T - k - 1][valid], ids[:, k + 1:][valid]
+
+    @torch.no_grad()
+    def acceptance_ranks(self, batch: dict[str, torch.Tensor], top_k: int = 10) -> tuple[torch.Tensor, int]:
+        """Ranks [n, K] of the greedy reference among each head's top-k, for the loop's simulated τ.
+
+        Scored positions t: the next K+1 held-out tokens are assistant tokens that equal the target's own
+        greedy choices (teacher-forced argmax), so they are what greedy decoding from t would produce and
+        head k's candidates at h_t are checked against x_{t+k+1} (see Trainer.simulated_tau)."""
+        hidden = self.target(**model_inputs(batch), logits=False)["last_hidden"]  # [B, T, H]
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        K = self.heads.config.num_heads
+        lm = self.target.lm_head()
+        greedy = torch.stack([lm(hidden[i]).argmax(-1) for i in range(B)])  # [B, T]: prediction of token t+1
+        nxt = shifted_valid(batch, 1)  # [B, T-1]: token t+1 is an assistant token
+        follows = nxt & (ids[:, 1:] == greedy[:, :-1])  # [B, T-1]
+        W = K + 1
+        n_pos = max(T - W, 0)
+        win = follows.unfold(1, W, 1).all(-1) if n_pos > 0 else follows.new_zeros(B, 0)  # [B, T-W]
+        h = hidden[:, :n_pos][win].float()  # [n, H]
+        ranks = []
+        for k in range(1, K + 1):  # all heads run on every rank (collective under ZeRO-3/FSDP)
+            labels = ids[:, k + 1: k + 1 + n_pos][win]  # [n]
+            top = self.heads.project(k - 1, self.heads.head_hidden(k - 1, h)).topk(top_k, dim=-1).indices  # [n, top_k]
+            hit = top == labels[:, None]
+            ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, top_k)))
+        return torch.stack(ranks, dim=1), int(nxt.sum())
+
+    def sim_tree_paths(self) -> list[tuple[int, ...]]:
+        """The static tree eval would build: tuned to the latest held-out rank accuracies when known."""
+        from eval.trees import default_tree
+
+        return list(default_tree(self.heads.config.num_heads, 64, self.rank_accuracy).paths)
 
     @torch.no_grad()
     def rank_hits(self, batch: dict[str, torch.Tensor], top_k: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +116,7 @@ class MedusaObjective(nn.Module):
         hits = torch.zeros(K, top_k)
         n = torch.zeros(K)
         for k in range(1, K + 1):
-            if k + 1 >= T:
-                break
-            valid = shifted_valid(batch, k + 1)
-            h = hidden[:, : T - k - 1][valid]
-            labels = ids[:, k + 1:][valid]
+            h, labels = self._head_inputs(batch, hidden, k)
             logits = self.heads.project(k - 1, self.heads.head_hidden(k - 1, h.to(torch.float32)))
             top = logits.topk(top_k, dim=-1).indices  # [n, top_k]
             hits[k - 1] += (top == labels[:, None]).sum(0).float().cpu()
@@ -98,18 +135,20 @@ def held_out_hits(objective: MedusaObjective, heldout: Any, batch_fn, acc, max_t
     """Accumulate rank hits over held-out rows (up to ~max_tokens tokens), summed over processes."""
     K = objective.heads.config.num_heads
     hits, n = torch.zeros(K, 10), torch.zeros(K)
-    rows = list(range(acc.process_index, len(heldout), acc.num_processes))
-    seen = 0
+    n_rows, seen = 0, 0  # the first rows up to ~max_tokens tokens, the same on every rank
+    for length in (heldout["input_ids"] if len(heldout) else []):
+        if seen >= max_tokens:
+            break
+        seen += len(length)
+        n_rows += 1
     with acc.autocast():
-        for i in range(0, len(rows), 4):
-            if seen >= max_tokens:
-                break
-            b = batch_fn([heldout[j] for j in rows[i:i + 4]])
+        for idx, counted in lockstep_batches(n_rows, 4, acc):
+            b = batch_fn([heldout[j] for j in idx])
             b = {k: v.to(acc.device) for k, v in b.items()}
             h, c = objective.rank_hits(b)
-            hits += h
-            n += c
-            seen += int(b["attention_mask"].sum())
+            if counted:
+                hits += h
+                n += c
     if acc.num_processes > 1:
         hits, n = acc.reduce(hits.to(acc.device), "sum").cpu(), acc.reduce(n.to(acc.device), "sum").cpu()
     return hits, n
@@ -141,17 +180,20 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         if n[0] == 0:  # no held-out split: the eval tree falls back to a generic profile
             return {}
         rank_acc = (hits / n.clamp(min=1)[:, None]).tolist()
+        objective.rank_accuracy = rank_acc
         extra["rank_accuracy"] = [[round(a, 5) for a in row] for row in rank_acc]
         extra["rank_accuracy_tokens"] = int(n[0])
         return {f"heldout_top1/{k + 1}": rank_acc[k][0] for k in range(len(rank_acc))}
 
-    trainer = Trainer(cfg, acc, objective, data.train, batch_fn, out_dir, extra, evaluate=evaluate)
+    trainer = Trainer(cfg, acc, objective, data.train, batch_fn, out_dir, extra, evaluate=evaluate,
+                      heldout=data.heldout)
     # ---- loop
     result = trainer.fit()
     # ---- save
     summary = {"family": "medusa", "out_dir": str(out_dir), "final": str(result.final_dir), "steps": result.steps,
                "seconds": round(result.seconds, 1), "train_tokens_per_s": round(result.tokens_per_s, 1),
-               "peak_rss_mb": round(result.peak_memory_mb, 1),
+               "peak_rss_mb": round(result.peak_memory_mb, 1), **result.summary_fields(),
+               "losses": [round(r["loss"], 6) for r in result.history if "loss" in r],
                "last": result.history[-1] if result.history else {}}
     if acc.is_main_process:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

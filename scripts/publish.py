@@ -1,0 +1,281 @@
+"""Publish a trained head: write a Hub-ready folder and (only when asked) upload it.
+
+    python scripts/publish.py checkpoint=runs/<run>/final                                    # dry run
+    python scripts/publish.py checkpoint=runs/<run>/final push=true dry_run=false repo_id=me/heads
+
+The folder holds ``model.safetensors`` + ``config.json`` (the head, byte-identical to the checkpoint,
+so our loaders read it back), ``README.md`` (model card: target id and revision, draft family and
+config, training data and config, the measured τ table), ``training_config.yaml`` (the run's resolved
+config), ``training_summary.json`` and ``tau_table.json`` (every eval/acceptance.py result given).
+
+Before anything is uploaded the folder is validated: required files present, the card's metadata
+parses, the weights equal the checkpoint's, and (``verify_load``) the family's own loader loads the
+folder on its target. ``dry_run=true`` (the default) stops there: no network at all. Uploading uses
+``huggingface_hub`` (``create_repo`` + ``upload_folder``); the token comes from ``HF_TOKEN`` or a cached
+``huggingface-cli login`` and is never read, printed or logged by this script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python scripts/publish.py` from the repo root
+    sys.path.insert(0, str(REPO))
+
+from heads.checkpoint import atomic_dir, read_head  # noqa: E402
+from heads.target import EMBEDDED_TARGETS  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+REQUIRED_FILES = ("model.safetensors", "config.json", "README.md", "training_config.yaml", "tau_table.json")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+FAMILY_TITLES = {"medusa": "Medusa heads", "eagle": "EAGLE draft", "eagle3": "EAGLE-3 draft"}
+
+
+def hub_id_of(target: dict[str, Any]) -> str | None:
+    """The Hub id of the target, when it has one (embedded targets map to the model they were converted from)."""
+    name = str(target.get("name") or "")
+    if name in EMBEDDED_TARGETS:
+        return EMBEDDED_TARGETS[name][2]
+    if HUB_ID.match(name) and not Path(name).exists():
+        return name
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def tau_rows(eval_files: list[Path]) -> list[dict[str, Any]]:
+    """One row per eval/acceptance.py result: question set, drafter, τ, tokens/s, acceptance by depth."""
+    rows = []
+    for f in eval_files:
+        r = _read_json(f)
+        if r is None or "summary" not in r:
+            raise ValueError(f"{f} is not an eval/acceptance.py result (no 'summary')")
+        s = r["summary"]
+        d = r.get("drafter", {})
+        rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
+                     "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": d.get("tree_source") or d.get("tree_kind") or d.get("tree"),
+                     "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
+                     "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
+                     "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),
+                     "accept_at_depth": s.get("accept_at_depth"),
+                     "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}})
+    return rows
+
+
+def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary: dict[str, Any] | None,
+               taus: list[dict[str, Any]], license_id: str, n_params: int) -> str:
+    """README.md with Hub metadata (YAML front matter) and the facts a user of the head needs."""
+    import yaml
+
+    family = head_cfg.get("family", "?")
+    tgt = head_cfg.get("target", {})
+    base = hub_id_of(tgt)
+    meta: dict[str, Any] = {"library_name": "draftheads", "license": license_id,
+                            "tags": ["speculative-decoding", "draft-model", family, "draftheads"]}
+    if base:
+        meta["base_model"] = base
+    data = head_cfg.get("data") or {}
+    title = f"{FAMILY_TITLES.get(family, family)} for {base or tgt.get('name')}"
+    L = ["---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "", f"# {title}", "",
+         f"Speculative-decoding draft ({family}) trained with draftheads for a **frozen** target. "
+         f"It proposes tokens; the target verifies them, so greedy output is token-identical to the target's.", "",
+         "## Target", "", "| field | value |", "|---|---|"]
+    for k in ("name", "revision", "fingerprint", "model_type", "vocab_size", "hidden_size", "num_layers"):
+        L.append(f"| {k} | `{tgt.get(k)}` |")
+    if base:
+        L.append(f"| hub id | `{base}` |")
+    L += ["", "Loading this head for another target (different vocabulary, hidden size or weights "
+          "fingerprint) is refused by the loaders.", "", "## Draft", "",
+          f"- family: `{family}`, trainable parameters: {n_params:,}",
+          f"- head config: `{json.dumps(head_cfg.get('head_config', {}), sort_keys=True)}`",
+          f"- trained steps: {head_cfg.get('step')}", "", "## Training data", "",
+          f"- dataset: `{data.get('name')}` (prepared-cache key `{data.get('key')}`)",
+          f"- rows: `{json.dumps(data.get('rows'))}`"]
+    if run_cfg:
+        d, t, o = run_cfg.get("data", {}), run_cfg.get("train", {}), run_cfg.get("optim", {})
+        L += [f"- source: `{d.get('source')}`, max conversations: {d.get('max_conversations')}, "
+              f"max length: {d.get('max_length')}, held-out fraction: {d.get('heldout_fraction')}", "",
+              "## Training config", "",
+              f"- steps {t.get('max_steps')}, micro-batch {t.get('batch_size')} × accumulation {t.get('grad_accum')}, "
+              f"precision {t.get('mixed_precision')}, seed {t.get('seed')}",
+              f"- optimizer AdamW lr {o.get('lr')}, betas {o.get('betas')}, weight decay {o.get('weight_decay')}, "
+              f"{o.get('schedule')} schedule, warmup {o.get('warmup_steps')}, clip {o.get('max_grad_norm')}",
+              "- full resolved config: `training_config.yaml`"]
+    if summary:
+        launch = summary.get("launch") or {}
+        L += [f"- trained in {summary.get('seconds')} s at {summary.get('train_tokens_per_s')} tokens/s "
+              f"({launch.get('mode', '?')}, {launch.get('num_processes', '?')} process(es))"]
+    L += ["", "## Measured τ", ""]
+    if taus:
+        L += ["τ = mean tokens per target forward (accepted draft tokens + 1); plain decoding is 1.00.", "",
+              "| questions | n | drafter | tree | mode | dtype | τ | tokens/s | accept@depth |",
+              "|---|---|---|---|---|---|---|---|---|"]
+        for r in taus:
+            acc = " ".join(f"{a:.2f}" for a in (r.get("accept_at_depth") or []))
+            L.append(f"| {r['questions']} | {r['num_questions']} | {r['drafter']} | {r['tree']} | {r['mode']} | "
+                     f"{r['dtype']} | {r['tau']:.3f} | {r['tokens_per_s']} | {acc} |")
+        L += ["", "Per-category τ and the full settings are in `tau_table.json`."]
+    else:
+        L += ["No τ measured yet (run `eval/acceptance.py checkpoint=<this folder>` and publish again)."]
+    L += ["", "## Use", "", "```bash", "git clone <draftheads> && cd draftheads && pip install -e .",
+          "huggingface-cli download <this repo> --local-dir heads/",
+          "python eval/acceptance.py checkpoint=heads/ " + (f"target=hf target.name={base}" if base else ""),
+          "```", "", "In Python: `" + {"medusa": "heads.medusa.MedusaHeads", "eagle": "heads.eagle.EagleDraft",
+                                       "eagle3": "heads.eagle3.Eagle3Draft"}.get(family, "heads.<family>")
+          + ".from_pretrained(folder, target)` with the target from `heads.target.load_target`.", ""]
+    return "\n".join(L)
+
+
+def _family_loader(family: str):
+    if family == "medusa":
+        from heads.medusa import MedusaHeads
+
+        return MedusaHeads.from_pretrained
+    if family == "eagle":
+        from heads.eagle import EagleDraft
+
+        return EagleDraft.from_pretrained
+    if family == "eagle3":
+        from heads.eagle3 import Eagle3Draft
+
+        return Eagle3Draft.from_pretrained
+    raise ValueError(f"no loader for family {family!r}")
+
+
+def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything the Hub copy must satisfy; raises ValueError naming the first problem."""
+    import yaml
+
+    missing = [f for f in REQUIRED_FILES if not (folder / f).is_file()]
+    if missing:
+        raise ValueError(f"publish folder {folder} lacks {missing}")
+    cfg, tensors = read_head(folder)  # format, family, readable safetensors
+    if _sha256(folder / "model.safetensors") != _sha256(checkpoint / "model.safetensors"):
+        raise ValueError("model.safetensors in the publish folder differs from the checkpoint's")
+    card = (folder / "README.md").read_text()
+    if not card.startswith("---\n") or card.count("---\n") < 2:
+        raise ValueError("README.md has no YAML metadata block")
+    meta = yaml.safe_load(card.split("---\n")[1])
+    for key in ("library_name", "license", "tags"):
+        if key not in meta:
+            raise ValueError(f"model card metadata lacks {key!r}")
+    json.loads((folder / "tau_table.json").read_text())
+    out = {"family": cfg["family"], "tensors": len(tensors), "card_metadata": meta, "loaded": False}
+    if target_cfg is not None:
+        from heads.target import load_target
+
+        target = load_target(target_cfg)
+        _family_loader(cfg["family"])(folder, target)
+        out["loaded"] = True
+    return out
+
+
+def upload(folder: Path, repo_id: str, private: bool, branch: str | None, message: str) -> str:
+    """create_repo + upload_folder; returns the commit URL. The token is huggingface_hub's business."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import validate_repo_id
+
+    validate_repo_id(repo_id)
+    api = HfApi()
+    api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+    if branch:
+        api.create_branch(repo_id=repo_id, branch=branch, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                             commit_message=message, revision=branch)
+    return str(getattr(info, "commit_url", info))
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    ckpt = Path(cfg.checkpoint)
+    head_cfg, tensors = read_head(ckpt)
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.parent
+    if run_dir.name == "checkpoints":  # checkpoint=runs/x/checkpoints/step-N
+        run_dir = run_dir.parent
+    out = Path(cfg.out) if cfg.out else run_dir / "hub"
+    if cfg.push and not cfg.repo_id:
+        raise ValueError("push=true needs repo_id=<owner>/<name>")
+    if cfg.repo_id:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(str(cfg.repo_id))
+        except HFValidationError as e:
+            raise ValueError(f"repo_id={cfg.repo_id!r} is not a valid Hub repository id: {e}") from None
+    run_cfg = None
+    if (run_dir / "config.yaml").is_file():
+        run_cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
+    summary = _read_json(run_dir / "summary.json")
+    eval_files = ([run_dir / "eval.json"] if (run_dir / "eval.json").is_file() else []) + [Path(p) for p in cfg.eval]
+    taus = tau_rows(eval_files)
+    n_params = sum(t.numel() for t in tensors.values())
+    # ---- write the folder (atomically: a failed publish never leaves a half-written folder)
+    with atomic_dir(out) as tmp:
+        shutil.copy2(ckpt / "model.safetensors", tmp / "model.safetensors")
+        shutil.copy2(ckpt / "config.json", tmp / "config.json")
+        (tmp / "README.md").write_text(model_card(head_cfg, run_cfg, summary, taus, str(cfg.license), n_params))
+        import yaml
+
+        (tmp / "training_config.yaml").write_text(
+            yaml.safe_dump(run_cfg, sort_keys=False) if run_cfg else "# the run's config.yaml was not found\n")
+        (tmp / "tau_table.json").write_text(json.dumps(taus, indent=2))
+        if summary:
+            keep = {k: v for k, v in summary.items() if k not in ("out_dir", "final")}
+            (tmp / "training_summary.json").write_text(json.dumps(keep, indent=2))
+    # ---- validate
+    target_cfg = None
+    if cfg.verify_load:
+        if cfg.target.name:
+            target_cfg = OmegaConf.to_container(cfg.target, resolve=True)
+        elif run_cfg and "target" in run_cfg:
+            target_cfg = run_cfg["target"]
+        else:
+            raise ValueError("verify_load=true needs the run's config.yaml or target.name=<target>; "
+                             "or set verify_load=false")
+    checks = validate(out, ckpt, target_cfg)
+    files = sorted(p.name for p in out.iterdir())
+    result = {"folder": str(out), "files": files, "checks": checks, "tau_rows": len(taus),
+              "repo_id": cfg.repo_id, "pushed": False}
+    print(f"publish folder {out}: {', '.join(files)}; family {checks['family']}, "
+          f"{'loaded back with its target' if checks['loaded'] else 'structure validated'}, {len(taus)} τ rows")
+    if cfg.push and not cfg.dry_run:
+        result["commit"] = upload(out, str(cfg.repo_id), bool(cfg.private), cfg.branch, str(cfg.commit_message))
+        result["pushed"] = True
+        print(f"uploaded to https://huggingface.co/{cfg.repo_id}")
+    elif cfg.push:
+        print(f"dry run: would create {'private ' if cfg.private else ''}repo {cfg.repo_id} and upload "
+              f"{len(files)} files (set dry_run=false to upload)")
+    return result
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="publish")
+def _hydra_main(cfg: DictConfig) -> None:
+    main(cfg)
+
+
+if __name__ == "__main__":
+    _hydra_main()
