@@ -133,6 +133,23 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, cha
     assert summary["features"] == "online"
     ckpt = json.loads((tmp_path / "full" / "final" / "config.json").read_text())
     assert ckpt["family"] == "eagle" and ckpt["heldout"]["heldout_top1"] > 0.2 and ckpt["features"] == "online"
+    # the final evaluation logs the held-out metrics and the simulated τ (these chats are not the random target's
+    # greedy path, so few or no positions are scored)
+    final_eval = json.loads((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert final_eval["step"] == 24 and "loss" not in final_eval
+    assert {"heldout_feat", "heldout_ce", "heldout_top1", "sim_tau/positions"} <= set(final_eval)
+    assert set(final_eval) <= set(summary["last"])
+    # summary.json carries the loop's scale-out fields, like every family's
+    from safetensors.torch import load_file
+
+    assert json.loads((tmp_path / "full" / "summary.json").read_text()) == summary
+    assert summary["family"] == "eagle" and summary["steps"] == 24 and len(summary["losses"]) == 24
+    assert summary["launch"]["mode"] == "single" and summary["launch"]["num_processes"] == 1
+    assert summary["trainable_params"] == sum(v.numel() for v in load_file(
+        str(tmp_path / "full" / "final" / "model.safetensors")).values())
+    assert summary["steps_per_s"] > 0 and summary["eval"] is None
+    assert len(summary["peak_rss_mb_per_rank"]) == len(summary["peak_rss_loop_mb_per_rank"]) == 1
+    assert summary["peak_rss_loop_mb"] == summary["peak_rss_loop_mb_per_rank"][0] > 0
     # killed after step 18: step-12 is the last complete checkpoint; noise RNG and data order must line up
     killed = tmp_path / "killed"
     shutil.copytree(tmp_path / "full", killed)
@@ -359,3 +376,146 @@ def test_acceptance_job_with_an_eagle_checkpoint(tmp_path, tiny_target_dir):
     assert res["drafter"]["drafter"] == "eagle" and res["drafter"]["tree_size"] == 13
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 2
     assert len(res["summary"]["accept_at_depth"]) == 6 and res["summary"]["tau"] >= 1.0
+
+
+# ------------------------------------------------------------------------------------------ simulated τ
+
+def _greedy_batch(tgt, prompt: list[int], n: int) -> dict[str, torch.Tensor]:
+    """A held-out row that is the target's own greedy continuation (assistant tokens) of ``prompt``."""
+    gen = generate(tgt, NoDrafter(), prompt, n).tokens
+    ids = torch.tensor([prompt + gen])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.tensor([[0] * len(prompt) + [1] * len(gen)])}
+
+
+def _feature_oracle(wrong_from: int | None = None, calls: list | None = None):
+    """A stub draft forward whose output at draft position p is the target's true top-layer feature f_{p+1} (taken
+    from the teacher-forced block's input), so lm_head of it is the target's greedy next token: every depth's top-1
+    is the reference. Negated from block ``wrong_from`` on (0-based: depth wrong_from+1), which makes the reference
+    the draft's *last* choice there."""
+    state: dict[str, torch.Tensor] = {}
+
+    def forward(features, next_ids, position_ids, allowed, cache=None):
+        block = allowed.shape[-1] // features.shape[1] - 1
+        if block == 0:
+            state["f"] = features  # f_t, t = 0..T-2
+        if calls is not None:
+            calls.append({"features": features, "next_ids": next_ids, "pos": position_ids, "allowed": allowed,
+                          "cache": cache})
+        f = state["f"]
+        idx = (position_ids + 1).clamp(max=f.shape[1] - 1)
+        out = torch.gather(f, 1, idx[..., None].expand(-1, -1, f.shape[-1]))
+        if wrong_from is not None and block >= wrong_from:
+            out = -out
+        state["last"] = out
+        return out
+
+    return forward
+
+
+def test_acceptance_ranks_roll_the_draft_out_along_the_reference(tiny_target_dir):
+    """Depth d at position t: the draft reads (its own depth d-1 output at t, x_{t+d}) at position t+d-1, attending
+    to the teacher-forced pairs <= t and its own chain at t; its candidates are checked against x_{t+1+d}. Scored:
+    positions whose next D+1 tokens are the target's greedy continuation."""
+    from train.eagle import EagleObjective
+
+    tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    D, P = 3, 8
+    batch = _greedy_batch(tgt, list(range(20, 20 + P)), 16)
+    ids = batch["input_ids"]
+    T, S = ids.shape[1], ids.shape[1] - 1
+    obj = EagleObjective(_draft(tgt), tgt, noise="none", sim_depth=D)
+    calls: list = []
+    outs: list = []
+    oracle = _feature_oracle(calls=calls)
+
+    def recording(*a, **k):
+        outs.append(oracle(*a, **k))
+        return outs[-1]
+
+    obj.draft.forward = recording
+    ranks, considered = obj.acceptance_ranks(batch, top_k=5)
+    assert considered == 16 and ranks.shape == (16 - D, D)  # t = P-1 .. T-D-2
+    assert (ranks == 0).all()  # the oracle's top-1 is the reference at every depth
+    assert len(calls) == D
+    f = tgt(ids, logits=False)["last_hidden"]
+    torch.testing.assert_close(calls[0]["features"], f[:, :S])  # block 0: the target's features f_t
+    for s, c in enumerate(calls):
+        assert c["next_ids"][0, : S - s].tolist() == ids[0, 1 + s:].tolist()  # x_{t+1+s}
+        assert c["pos"].tolist() == [list(range(s, S + s))]  # position t + s
+        assert c["allowed"].shape == (1, S, (s + 1) * S)
+        assert torch.equal(c["allowed"][0, :, :S], torch.ones(S, S, dtype=torch.bool).tril())
+        for j in range(1, s + 1):  # earlier chain entries: the same position only
+            assert torch.equal(c["allowed"][0, :, j * S:(j + 1) * S], torch.eye(S, dtype=torch.bool))
+        if s:
+            assert c["features"] is outs[s - 1] and c["cache"] is calls[0]["cache"]  # fed back, one cache
+    obj.draft.forward = _feature_oracle(wrong_from=1)  # right at depth 1, wrong (last choice) below
+    ranks, _ = obj.acceptance_ranks(batch, top_k=5)
+    assert (ranks[:, 0] == 0).all() and (ranks[:, 1:] == 5).all()
+    cut = ids.clone()  # leave the greedy path at token P+6: the D+1 windows that contain it are not scored
+    cut[0, P + 6] = (int(cut[0, P + 6]) + 1) % 400
+    ranks, considered = obj.acceptance_ranks({**batch, "input_ids": cut}, top_k=5)
+    assert considered == 16 and 6 - D <= ranks.shape[0] <= 16 - D - (D + 1)
+
+
+@pytest.mark.parametrize("wrong_from, tau", [(None, 5.0), (2, 3.0), (0, 1.0)])
+def test_simulated_tau_of_oracle_and_wrong_drafts(tmp_path, tiny_target_dir, chat_file, wrong_from, tau):
+    """Through the loop's simulated τ: a draft whose proposals are the target's greedy tokens gets the maximum
+    1 + D, one right for two depths gets 3, one always wrong gets 1."""
+    from datasets import Dataset
+
+    from data_prep.dataset import collate
+    from train.eagle import EagleObjective
+    from train.loop import Trainer, make_accelerator
+
+    D = 4
+    cfg = compose("eagle", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "run", **{
+        "train.sim_tau_examples": 5, "train.batch_size": 4}))
+    tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(6):
+        b = _greedy_batch(tgt, torch.randint(10, 300, (6,), generator=g).tolist(), 12)
+        rows.append({"input_ids": b["input_ids"][0].tolist(), "loss_mask": b["loss_mask"][0].tolist()})
+    data = Dataset.from_list(rows)
+    obj = EagleObjective(_draft(tgt), tgt, noise="none", sim_depth=D)
+    trainer = Trainer(cfg, make_accelerator(cfg), obj, data, lambda r: collate(r, 0), tmp_path / "run", heldout=data)
+    obj.draft.forward = _feature_oracle(wrong_from)
+    m = trainer.simulated_tau()
+    # 5 rows of 6 + 12 tokens: t = 5 .. 16-D scored, of the 12 positions followed by an assistant token
+    assert m["sim_tau/positions"] == 5 * (12 - D) and m["sim_tau/coverage"] == pytest.approx((12 - D) / 12)
+    assert m["sim_tau/chain"] == pytest.approx(tau)
+    good = D if wrong_from is None else wrong_from
+    assert [m[f"sim_accept/chain@{d}"] for d in range(1, D + 1)] == [1.0] * good + [0.0] * (D - good)
+    assert "sim_tau/tree" not in m  # EAGLE's eval tree is dynamic: only the chain is simulated
+
+
+def test_simulated_tau_equals_real_eagle_chain_decoding_at_every_step_start():
+    """On a greedy continuation, the simulated chain accepts at each step start exactly what EAGLE chain decoding
+    (eval.eagle_drafter, its KV cache and rollback) accepts there."""
+    from train.eagle import EagleObjective
+    from train.loop import accepted_lengths
+
+    D = 4
+    for kind in ("llama", "qwen2"):
+        tgt, d = _oracle(kind)
+        with torch.no_grad():  # a slightly wrong oracle: long, short and empty accepted runs
+            d.fc.weight.add_(torch.randn(d.fc.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+        prompt = list(range(10, 30))
+        batch = _greedy_batch(tgt, prompt, 48)
+        ids = batch["input_ids"]
+        T = ids.shape[1]
+        res = generate(tgt, EagleDrafter(d, EagleTreeConfig(kind="chain", depth=D)), prompt, 48)
+        assert res.tokens == ids[0, len(prompt):].tolist()
+        obj = EagleObjective(d, tgt, noise="none", sim_depth=D).eval()
+        ranks, considered = obj.acceptance_ranks(batch)
+        first = len(prompt) - 1  # every t >= P-1 with D+1 greedy tokens after it is scored
+        assert considered == 48 and ranks.shape[0] == T - D - 1 - first
+        sim = accepted_lengths(ranks)
+        t, checked = first, []
+        for a in res.accepted:  # step i starts at t_i; t_{i+1} = t_i + a_i + 1
+            if t + D + 1 <= T - 1:
+                assert int(sim[t - first]) == a, (kind, t, a, int(sim[t - first]))
+                checked.append(a)
+            t += a + 1
+        assert len(checked) >= 5 and 0 in checked and D in checked and any(0 < a < D for a in checked), checked

@@ -212,6 +212,35 @@ def test_zero3_and_fsdp_shard_draft_and_target_and_save_loadable_heads(tmp_path,
             assert got[s] == pytest.approx(ref[s], rel=1e-5), (s, got, ref)
 
 
+@pytest.mark.parametrize("config", ["zero3", "fsdp"])
+def test_eagle_heldout_metrics_and_simulated_tau_run_in_lockstep_when_sharded(tmp_path, tiny_target_dir, chat_file,
+                                                                              config):
+    """EAGLE with a sharded target (and draft): held-out metrics and the simulated τ (the draft's cached chain
+    rollout) run the same collective forwards on every rank, uneven shares included (a rank that stopped early
+    would hang the others), and give the single-process numbers."""
+    kw = {"train.max_steps": 4, "train.eval_every": 2, "train.eval_tokens": 400, "train.sim_tau_examples": 9,
+          "optim.lr": 3e-3, **FAMILY_KW["eagle"]}
+    single = tmp_path / "single"
+    _main("eagle")(compose("eagle", tiny_train_overrides(tiny_target_dir, chat_file, single, **kw)))
+    out = tmp_path / config
+    _launch(config, 2, "eagle", tiny_train_overrides(tiny_target_dir, chat_file, out, **{**kw, "train.batch_size": 4})
+            + [f"hydra.run.dir={out}"])
+    info = _info(out)
+    assert info["launch"]["target_sharding"]["kind"] == ("zero3" if config == "zero3" else "fsdp2") + "-decoder-layers"
+
+    def evals(run: Path) -> dict[int, dict]:
+        return {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "heldout_feat" in r}
+
+    ref, got = evals(single), evals(out)
+    assert sorted(ref) == sorted(got) == [2, 4]
+    for s in ref:
+        for k in ("heldout_feat", "heldout_ce", "heldout_top1", "sim_tau/positions"):
+            assert got[s][k] == pytest.approx(ref[s][k], rel=1e-4, abs=1e-6), (s, k, got[s], ref[s])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["launch"] == info["launch"] and len(summary["peak_rss_mb_per_rank"]) == 2
+
+
 def test_deepspeed_checkpoints_are_read_without_unpickling_code(tmp_path):
     """Our engine patch makes DeepSpeed's checkpoint reader refuse pickled code (weights_only=True)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine

@@ -4,13 +4,16 @@ Target features come online (the target runs in this job) or offline (``features
 by data_prep/features.py>``); both go through data_prep.features, with the same data order, so the
 same seed gives the same loss curve either way (up to the cache's storage precision).
 
+Held-out metrics (feature loss, CE, top-1 agreement) and the simulated τ (the greedy chain to depth 6, eval's
+default tree depth, or ``+head.sim_depth=N``; see ``EagleObjective.acceptance_ranks``) are logged at every
+``train.eval_every`` and at the end, in lockstep over ranks.
+
 Reads top to bottom: setup (devices, target, data, draft, features), loop (shared Trainer), save
 (final draft + summary). ``main(cfg)`` is a plain function; tests call it with a composed config.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -20,15 +23,20 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from data_prep.dataset import collate, prepare_data, shifted_valid
-from data_prep.features import batch_hidden, training_features
+from data_prep.dataset import prepare_data, shifted_valid
+from data_prep.features import batch_hidden
 from heads.eagle import EagleDraft, eagle_config_for
 from heads.target import FrozenTarget, load_target
-from train.loop import Trainer, make_accelerator, resolve_out_dir, save_run_config
+from train.common import draft_sequence, feature_source, heldout_evaluator
+from train.loop import (Trainer, greedy_windows, make_accelerator, reference_ranks, resolve_out_dir, save_run_config,
+                        write_summary)
 
 log = logging.getLogger(__name__)
 
 NOISE_KINDS = ("uniform", "none")
+SIM_DEPTH = 6  # simulated-τ chain depth: eval's default EAGLE tree depth (conf/eval.yaml tree.depth)
+# Held-out metrics: objective stat -> logged name (the names checkpoints have always recorded)
+HELDOUT_NAMES = {"feat": "heldout_feat", "ce": "heldout_ce", "top1/target": "heldout_top1"}
 
 
 class EagleObjective(nn.Module):
@@ -40,16 +48,19 @@ class EagleObjective(nn.Module):
     """
 
     def __init__(self, draft: EagleDraft, target: FrozenTarget, w_feat: float = 1.0, w_tok: float = 0.1,
-                 noise: str = "uniform", noise_scale: float = 0.1):
+                 noise: str = "uniform", noise_scale: float = 0.1, sim_depth: int = SIM_DEPTH):
         super().__init__()
         if noise not in NOISE_KINDS:
             raise ValueError(f"head.noise must be one of {NOISE_KINDS}, got {noise!r}")
         if noise_scale < 0:
             raise ValueError(f"head.noise_scale must be >= 0, got {noise_scale}")
+        if sim_depth < 1:
+            raise ValueError(f"head.sim_depth must be >= 1, got {sim_depth}")
         self.draft = draft
         object.__setattr__(self, "target", target)  # unregistered: never optimized, wrapped or saved
         self.w_feat, self.w_tok = float(w_feat), float(w_tok)
         self.noise, self.noise_scale = noise, float(noise_scale)
+        self.sim_depth = int(sim_depth)
         self.feature_layer = draft.config.resolved_layer
         self.top = target.num_layers  # layer L: the target's logits are lm_head(f^L)
         self.layers = sorted({self.feature_layer, self.top})  # what the features source must provide
@@ -59,18 +70,7 @@ class EagleObjective(nn.Module):
 
     def draft_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, T-1] and the causal (per-document) mask [B, T-1, T-1] of the draft's sequence."""
-        ids = batch["input_ids"]
-        B, T = ids.shape
-        S = T - 1
-        causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
-        if "doc_ids" in batch:
-            doc = batch["doc_ids"][:, :S]
-            allowed = causal[None] & (doc[:, :, None] == doc[:, None, :])
-            pos = batch["position_ids"][:, :S]
-        else:
-            allowed = causal[None].expand(B, S, S)
-            pos = torch.arange(S, device=ids.device)[None].expand(B, S)
-        return pos, allowed
+        return draft_sequence(batch)
 
     def predict(self, batch: dict[str, torch.Tensor], hidden: dict[int, torch.Tensor], noise: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,37 +109,65 @@ class EagleObjective(nn.Module):
                      "top1/label": ((top5[:, 0] == labels).sum().float(), n)}
         return loss, stats
 
+    @torch.no_grad()
+    def chain_rollout(self, features: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, step0: torch.Tensor,
+                      depth: int) -> list[torch.Tensor]:
+        """The draft's greedy chain along the reference, from every position t at once: ``depth`` outputs [B, S, H].
+
+        Block 0 is the teacher-forced pass: t reads (f_t, x_{t+1}) at position pos_t with ``step0``'s causal
+        mask, and predicts f_{t+1} (depth-1 candidates x_{t+2}). Block s >= 1 at t reads (block s-1's output at
+        t, x_{t+1+s}) at position pos_t + s and attends to block 0's keys that t may see plus blocks 1..s at t
+        only; it predicts the depth-(s+1) candidates x_{t+2+s}. That is exactly eval.eagle_drafter's chain at a
+        step whose root x_{t+1} follows the target's features f_<=t, when the drafted tokens so far are the
+        reference's: committed pairs with the target's real features, then the chain's own entries with the
+        draft's predicted features. One cached forward per block (keys grow by S each)."""
+        from transformers import DynamicCache
+
+        B, S = pos.shape
+        cache = DynamicCache(config=self.draft.layer_config)
+        tokens = torch.cat([ids[:, 1:], ids.new_zeros(B, depth - 1)], dim=1)  # [B, S+depth-1]; the tail is never scored
+        own = torch.eye(S, dtype=torch.bool, device=ids.device)[None].expand(B, S, S)
+        h, outs = features, []
+        for s in range(depth):  # every block runs on every rank, also without scored positions
+            allowed = torch.cat([step0] + [own] * s, dim=-1)  # [B, S, (s+1)·S]
+            h = self.draft(h, tokens[:, s: s + S], pos + s, allowed, cache)
+            outs.append(h)
+        return outs
+
+    @torch.no_grad()
+    def acceptance_ranks(self, batch: dict[str, torch.Tensor], top_k: int = 10) -> tuple[torch.Tensor, int]:
+        """Ranks [n, D] of the greedy reference among the draft's depth-d top-k (D = ``sim_depth``), for the loop's
+        simulated τ (train.loop.Trainer.simulated_tau).
+
+        Scored positions t: x_{t+1..t+D+1} are assistant tokens equal to the target's own greedy choices
+        (``greedy_windows``), so a greedy decoding step can start with the target's features f_<=t and root
+        x_{t+1}. Depth d's candidates there are the top-k of lm_head(draft output) after drafting along the
+        reference x_{t+2..t+d} (``chain_rollout``): depth 1 is the teacher-forced prediction of f_{t+1}; depths
+        >= 2 read the draft's own predicted features, as drafting does. Checked against x_{t+1+d}. So the chain
+        figure is what eval's ``tree.kind=chain tree.depth=D`` would accept at such a step (up to numerics: the
+        target's features here come from one teacher-forced forward, not from the verification passes).
+        EAGLE's eval tree is dynamic (EAGLE-2: shaped by the draft's scores), so no static tree is simulated
+        (no ``sim_tree_paths``). Positions where the held-out text leaves the greedy path are not scored."""
+        ids = batch["input_ids"]
+        T = ids.shape[1]
+        D = self.sim_depth
+        hidden = batch_hidden(batch, self.target, self.layers)
+        win, considered = greedy_windows(batch, hidden[self.top], self.target.lm_head(), D + 1)
+        n_pos = win.shape[1]  # T - D - 1 (or 0)
+        pos, step0 = self.draft_inputs(batch)
+        outs = self.chain_rollout(hidden[self.feature_layer][:, : T - 1].float(), ids, pos, step0, D)
+        ranks = []
+        for s in range(D):  # depth s+1; the lm_head runs on every rank, also for n = 0
+            ref = ids[:, 2 + s: 2 + s + n_pos][win]  # [n] x_{t+2+s}
+            logits = self.draft.logits(outs[s][:, :n_pos][win])  # [n, V]
+            ranks.append(reference_ranks(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices, ref, top_k))
+        return torch.stack(ranks, dim=1), considered
+
     def save_pretrained(self, path, extra: dict[str, Any]) -> None:
         self.draft.save_pretrained(path, self.target.identity, extra)
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.draft.load_state_dict(state)
-
-
-@torch.no_grad()
-def held_out_metrics(objective: EagleObjective, heldout: Any, batch_fn, acc, max_tokens: int) -> dict[str, float]:
-    """Held-out feature loss, CE and top-1 agreement with the target (online features, no noise)."""
-    was = objective.training
-    objective.eval()
-    sums = torch.zeros(4, dtype=torch.float64)
-    rows = list(range(acc.process_index, len(heldout), acc.num_processes))
-    seen = 0
-    with acc.autocast():
-        for i in range(0, len(rows), 4):
-            if seen >= max_tokens:
-                break
-            b = {k: v.to(acc.device) for k, v in batch_fn([heldout[j] for j in rows[i:i + 4]]).items()}
-            _, st = objective(b)
-            sums += torch.tensor([float(st["feat"][0]), float(st["ce"][0]), float(st["top1/target"][0]),
-                                  float(st["feat"][1])], dtype=torch.float64)
-            seen += int(b["attention_mask"].sum())
-    objective.train(was)
-    if acc.num_processes > 1:
-        sums = acc.reduce(sums.to(acc.device), "sum").cpu()
-    if sums[3] == 0:
-        return {}
-    return {"heldout_feat": float(sums[0] / sums[3]), "heldout_ce": float(sums[1] / sums[3]),
-            "heldout_top1": float(sums[2] / sums[3])}
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
@@ -153,69 +181,32 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     head_cfg = eagle_config_for(target, int(h.feature_layer), bool(h.fc_bias))
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only, not on what loaded before
     draft = EagleDraft(head_cfg, target).to(acc.device)
-    objective = EagleObjective(draft, target, float(h.w_feat), float(h.w_tok), str(h.noise), float(h.noise_scale))
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    features_dir = cfg.get("features", {}).get("dir")
-    train_data, batch_fn, source = training_features(features_dir, target, data, objective.layers, pad_id)
+    objective = EagleObjective(draft, target, float(h.w_feat), float(h.w_tok), str(h.noise), float(h.noise_scale),
+                               int(h.get("sim_depth") or SIM_DEPTH))
+    feats = feature_source(cfg, target, data, objective.layers)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
         log.info("EAGLE: %s layer on feature layer %d, %.2fM trainable params; %d training examples; features %s",
                  type(draft.layer).__name__, head_cfg.resolved_layer,
-                 sum(p.numel() for p in draft.parameters()) / 1e6, len(data.train), source)
+                 sum(p.numel() for p in draft.parameters()) / 1e6, len(data.train), feats.source)
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
-             "features": source}
-    heldout_fn = lambda rows: collate(rows, pad_id)  # noqa: E731  (held-out metrics always use online features)
-
-    def evaluate(step: int) -> dict[str, Any]:
-        m = held_out_metrics(objective, data.heldout, heldout_fn, acc, int(cfg.train.eval_tokens))
-        if m:
-            extra["heldout"] = {k: round(v, 5) for k, v in m.items()}
-        return m
-
-    trainer = Trainer(cfg, acc, objective, train_data, batch_fn, out_dir, extra, evaluate=evaluate)
-    return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": source}
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (Linux), so the training peak is not the model-loading peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _vm_hwm_mb() -> float | None:
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
+             "features": feats.source}
+    evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens),
+                                 extra, HELDOUT_NAMES)
+    # held-out rows (metrics, simulated τ) always go through the target: online features
+    trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
+                      heldout=data.heldout, heldout_collate=feats.heldout_collate)
+    return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": feats.source}
 
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     b = build(cfg)
-    acc, out_dir = b["acc"], b["out_dir"]
     # ---- loop
-    reset = _reset_peak_rss()
     result = b["trainer"].fit()
-    loop_peak = _vm_hwm_mb() if reset else None
     # ---- save
-    summary = {"family": "eagle", "features": b["source"], "out_dir": str(out_dir), "final": str(result.final_dir),
-               "steps": result.steps, "seconds": round(result.seconds, 1),
-               "train_tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": round(result.peak_memory_mb, 1),
-               "peak_rss_loop_mb": None if loop_peak is None else round(loop_peak, 1),
-               "losses": [round(r["loss"], 6) for r in result.history],
-               "last": result.history[-1] if result.history else {}}
-    if acc.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info("done: %s", json.dumps(summary))
-    return summary
+    return write_summary(b["acc"], b["out_dir"], "eagle", result, features=b["source"])
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="eagle")

@@ -26,7 +26,6 @@ Reads top to bottom: setup, loop (shared Trainer), save. ``main(cfg)`` is a plai
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 from pathlib import Path
@@ -39,12 +38,14 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from data_prep.dataset import collate, prepare_data, shifted_valid
+from data_prep.dataset import prepare_data, shifted_valid
 from data_prep.draft_vocab import count_assistant_tokens, select_draft_vocab, vocab_stats
-from data_prep.features import batch_hidden, training_features
+from data_prep.features import batch_hidden
 from heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from heads.target import FrozenTarget, load_target
-from train.loop import Trainer, list_checkpoints, make_accelerator, resolve_out_dir, save_run_config
+from train.common import draft_sequence, feature_source, heldout_evaluator
+from train.loop import (Trainer, greedy_windows, list_checkpoints, make_accelerator, reference_ranks, resolve_out_dir,
+                        save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +116,7 @@ class Eagle3Objective(nn.Module):
     @staticmethod
     def draft_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Step-0 positions [B, T-1] and causal (per-document) mask [B, T-1, T-1] of the draft's sequence."""
-        ids = batch["input_ids"]
-        B, T = ids.shape
-        S = T - 1
-        causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
-        if "doc_ids" in batch:
-            doc = batch["doc_ids"][:, :S]
-            return batch["position_ids"][:, :S], causal[None] & (doc[:, :, None] == doc[:, None, :])
-        return torch.arange(S, device=ids.device)[None].expand(B, S), causal[None].expand(B, S, S)
+        return draft_sequence(batch)
 
     def _split_head(self) -> tuple[torch.Tensor, ...]:
         """The target's lm_head rows split into draft-vocab rows [DV, H] and the rest [V-DV, H] (+ biases)."""
@@ -205,12 +199,8 @@ class Eagle3Objective(nn.Module):
         B, T = ids.shape
         S, k = T - 1, self.steps
         hidden = batch_hidden(batch, self.target, self.layers)
-        greedy = torch.cat([self.target.lm_head()(hidden[self.top][i]).argmax(-1)[None] for i in range(B)])  # [B, T]
-        nxt = shifted_valid(batch, 1)  # [B, T-1]: token t+1 is an assistant token
-        follows = nxt & (ids[:, 1:] == greedy[:, :-1])  # token t+1 is the target's greedy choice
-        W = k + 1
-        n_pos = max(T - W, 0)
-        win = follows.unfold(1, W, 1).all(-1)[:, :n_pos] if n_pos > 0 else follows.new_zeros(B, 0)  # [B, n_pos]
+        win, considered = greedy_windows(batch, hidden[self.top], self.target.lm_head(), k + 1)
+        n_pos = win.shape[1]  # T - k - 1 (or 0)
         aux = torch.cat([hidden[a][:, :S] for a in self.aux], dim=-1)
         tokens = torch.cat([ids[:, 1:], ids.new_zeros(B, k - 1)], dim=1)
         pos, step0 = self.draft_inputs(batch)
@@ -221,10 +211,8 @@ class Eagle3Objective(nn.Module):
             ref = ids[:, 2 + s: 2 + s + n_pos][win]  # [n] x_{t+2+s}
             ref_d = torch.where(self.draft.t2d[ref], draft_id_of[ref], -1)
             logits = self.draft.logits(outs[s][:, :n_pos][win])  # [n, DV]
-            top = logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices
-            hit = top == ref_d[:, None]
-            ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(ref_d, top_k)))
-        return torch.stack(ranks, dim=1), int(nxt.sum())
+            ranks.append(reference_ranks(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices, ref_d, top_k))
+        return torch.stack(ranks, dim=1), considered
 
     def save_pretrained(self, path, extra: dict[str, Any]) -> None:
         self.draft.save_pretrained(path, self.target.identity, extra)
@@ -238,51 +226,6 @@ class Eagle3Objective(nn.Module):
                 raise ValueError(f"checkpoint {k} differs from this draft's vocabulary mapping; the mapping is never "
                                  f"replaced silently (resume builds the draft from the checkpoint)")
         self.draft.load_state_dict(state)
-
-
-@torch.no_grad()
-def held_out_metrics(objective: Eagle3Objective, heldout: Any, batch_fn, acc, max_tokens: int) -> dict[str, float]:
-    """Held-out CE (step 0) and top-1 agreement with the target per TTT step (online features)."""
-    was = objective.training
-    objective.eval()
-    sums: dict[str, list[float]] = {}
-    # Rows until ~max_tokens, then the same number of batches on every rank (ZeRO-3/FSDP forwards are collective).
-    n_rows, tokens = 0, 0
-    for n_rows, x in enumerate(heldout["input_ids"], start=1):
-        tokens += len(x)
-        if tokens >= max_tokens:
-            break
-    with acc.autocast():
-        for idx, counted in _lockstep(n_rows, 4, acc):
-            b = {k: v.to(acc.device) for k, v in batch_fn([heldout[j] for j in idx]).items()}
-            _, st = objective(b)
-            for k, (s, c) in st.items():
-                p = sums.setdefault(k, [0.0, 0.0])
-                p[0] += float(s) if counted else 0.0
-                p[1] += float(c) if counted else 0.0
-    objective.train(was)
-    keys = sorted(sums)
-    vec = torch.tensor([sums[k][j] for k in keys for j in (0, 1)], dtype=torch.float64)
-    if acc.num_processes > 1:
-        vec = acc.reduce(vec.to(acc.device), "sum").cpu()
-    out = {}
-    for i, k in enumerate(keys):
-        if vec[2 * i + 1] > 0:
-            out["heldout_" + k.replace("/", "_")] = float(vec[2 * i] / vec[2 * i + 1])
-    return out
-
-
-def _lockstep(num_rows: int, batch_size: int, acc: Any) -> list[tuple[list[int], bool]]:
-    """This rank's (indices, counted) held-out batches, the same number on every rank (train.loop's helper
-    where the shared loop has it)."""
-    try:
-        from train.loop import lockstep_batches
-    except ImportError:  # an older shared loop: plain round-robin, ranks padded with an uncounted repeat
-        batches = [list(range(i, min(i + batch_size, num_rows))) for i in range(0, num_rows, batch_size)]
-        rounds = -(-len(batches) // acc.num_processes)
-        return [(batches[j], True) if j < len(batches) else (batches[0], False)
-                for j in (r * acc.num_processes + acc.process_index for r in range(rounds))]
-    return lockstep_batches(num_rows, batch_size, acc)
 
 
 def _from_checkpoint(path: Path, target: FrozenTarget, h: DictConfig, why: str) -> Eagle3Draft:
@@ -333,57 +276,34 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     draft, vocab_info = build_draft(cfg, target, data, out_dir)
     draft = draft.to(acc.device)
     objective = Eagle3Objective(draft, target, int(h.ttt_steps), float(h.ttt_decay), bool(h.loss_checkpoint))
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    features_dir = cfg.get("features", {}).get("dir")
-    train_data, batch_fn, source = training_features(features_dir, target, data, objective.layers, pad_id)
+    feats = feature_source(cfg, target, data, objective.layers)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
         log.info("EAGLE-3: %s layer, aux layers %s, draft vocab %d (%s), %.2fM trainable params, %d TTT steps; "
                  "%d training examples; features %s", type(draft.layers[0]).__name__, draft.config.aux_layers,
                  draft.config.draft_vocab_size, json.dumps(vocab_info),
-                 sum(p.numel() for p in draft.parameters()) / 1e6, objective.steps, len(data.train), source)
+                 sum(p.numel() for p in draft.parameters()) / 1e6, objective.steps, len(data.train), feats.source)
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
-             "features": source, "draft_vocab": vocab_info, "ttt_steps": objective.steps,
+             "features": feats.source, "draft_vocab": vocab_info, "ttt_steps": objective.steps,
              "ttt_decay": objective.decay}
-    heldout_fn = lambda rows: collate(rows, pad_id)  # noqa: E731  (held-out metrics always use online features)
-
-    def evaluate(step: int) -> dict[str, Any]:
-        m = held_out_metrics(objective, data.heldout, heldout_fn, acc, int(cfg.train.eval_tokens))
-        if m:
-            extra["heldout"] = {k: round(v, 5) for k, v in m.items()}
-        return m
-
-    # The shared loop's simulated τ (train.sim_tau_examples) reads held-out rows through acceptance_ranks.
-    sim = {"heldout": data.heldout, "heldout_collate": heldout_fn} \
-        if "heldout" in inspect.signature(Trainer.__init__).parameters else {}
-    trainer = Trainer(cfg, acc, objective, train_data, batch_fn, out_dir, extra, evaluate=evaluate, **sim)
-    return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": source,
+    # Held-out CE and top-1 agreement with the target per TTT step, and the simulated τ (train.sim_tau_examples,
+    # through acceptance_ranks): held-out rows always go through the target (online features).
+    evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens), extra)
+    trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
+                      heldout=data.heldout, heldout_collate=feats.heldout_collate)
+    return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": feats.source,
             "vocab": vocab_info}
 
 
 def main(cfg: DictConfig) -> dict[str, Any]:
-    from train.eagle import _reset_peak_rss, _vm_hwm_mb
-
     # ---- setup
     b = build(cfg)
-    acc, out_dir = b["acc"], b["out_dir"]
     # ---- loop
-    reset = _reset_peak_rss()
     result = b["trainer"].fit()
-    loop_peak = _vm_hwm_mb() if reset else None
     # ---- save
-    summary = {"family": "eagle3", "features": b["source"], "out_dir": str(out_dir), "final": str(result.final_dir),
-               "steps": result.steps, "ttt_steps": b["objective"].steps, "draft_vocab": b["vocab"],
-               "seconds": round(result.seconds, 1), "train_tokens_per_s": round(result.tokens_per_s, 1),
-               "peak_rss_mb": round(result.peak_memory_mb, 1),
-               "peak_rss_loop_mb": None if loop_peak is None else round(loop_peak, 1),
-               "losses": [round(r["loss"], 6) for r in result.history],
-               "last": result.history[-1] if result.history else {}}
-    if acc.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info("done: %s", json.dumps(summary))
-    return summary
+    return write_summary(b["acc"], b["out_dir"], "eagle3", result, features=b["source"],
+                         ttt_steps=b["objective"].steps, draft_vocab=b["vocab"])
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="eagle3")

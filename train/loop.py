@@ -354,6 +354,34 @@ def lockstep_batches(num_rows: int, batch_size: int, acc: Any) -> list[tuple[lis
     return out
 
 
+def greedy_windows(batch: dict[str, torch.Tensor], top_hidden: torch.Tensor, lm_head: Callable, width: int,
+                   ) -> tuple[torch.Tensor, int]:
+    """The positions an objective's ``acceptance_ranks`` scores, and how many were considered.
+
+    ``top_hidden`` [B, T, H] is what the target's ``lm_head`` reads, teacher-forced on the held-out row, so its
+    argmax at t is the target's greedy choice of token t+1 given the reference prefix. Position t is scored
+    (win[b, t], win [B, max(T - width, 0)]) when tokens t+1 .. t+width are all assistant tokens of t's document
+    that equal those greedy choices: decoding greedily from the prefix x_<=t would produce them, with x_{t+1}
+    as the step's root and t+2 .. t+width checked against draft depths 1 .. width-1. Considered: positions whose
+    next token is an assistant token (the coverage denominator)."""
+    from data_prep.dataset import shifted_valid
+
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    greedy = torch.stack([lm_head(top_hidden[i]).argmax(-1) for i in range(B)])  # [B, T]: token t+1 (row by row)
+    nxt = shifted_valid(batch, 1)  # [B, T-1]: token t+1 is an assistant token
+    follows = nxt & (ids[:, 1:] == greedy[:, :-1])  # [B, T-1]: ... and the target's greedy choice
+    n_pos = max(T - width, 0)
+    win = follows.unfold(1, width, 1).all(-1)[:, :n_pos] if n_pos > 0 else follows.new_zeros(B, 0)
+    return win, int(nxt.sum())
+
+
+def reference_ranks(candidates: torch.Tensor, ref: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[n] rank of ref[i] among candidates[i] ([n, k] ids, best first); ``top_k`` where it is not among them."""
+    hit = candidates == ref[:, None]
+    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(ref, top_k))
+
+
 def accepted_lengths(ranks: torch.Tensor, paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Accepted draft tokens per position from candidate ranks [n, D] (>= top_k: not a candidate).
 
@@ -1094,6 +1122,24 @@ def resolve_out_dir(cfg: Any) -> Path:
     except ImportError:  # pragma: no cover
         pass
     return Path("runs") / str(cfg.run_name)
+
+
+def write_summary(acc: Any, out_dir: Path, family: str, result: TrainResult, **fields: Any) -> dict[str, Any]:
+    """An entry's summary.json (rank 0 writes it, every rank returns it): ``family``, the family's own ``fields``
+    (feature source, draft vocabulary, ...), what ran and how fast, the scale-out fields every family carries
+    (``TrainResult.summary_fields``) and the loss curve. ``peak_rss_loop_mb`` is rank 0's peak RSS during fit()
+    (the loop's measure; scripts/bench_features.py reads it)."""
+    loop_peak = result.peak_loop_memory_mb_per_rank
+    summary = {"family": family, **fields, "out_dir": str(out_dir), "final": str(result.final_dir),
+               "steps": result.steps, "seconds": round(result.seconds, 1),
+               "train_tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": round(result.peak_memory_mb, 1),
+               "peak_rss_loop_mb": round(loop_peak[0], 1) if loop_peak else None, **result.summary_fields(),
+               "losses": [round(r["loss"], 6) for r in result.history if "loss" in r],
+               "last": result.history[-1] if result.history else {}}
+    if acc.is_main_process:
+        atomic_write_text(Path(out_dir) / "summary.json", json.dumps(summary, indent=2))
+        log.info("done: %s", json.dumps(summary))
+    return summary
 
 
 def save_run_config(cfg: Any, out_dir: Path) -> None:

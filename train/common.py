@@ -1,0 +1,109 @@
+"""What the two feature-draft entries (train/eagle.py, train/eagle3.py) share, where the logic is the same.
+
+- ``draft_sequence``: positions and causal (per-document) mask of the draft's teacher-forced sequence.
+- ``feature_source``: online or offline (``features.dir``) training features; held-out rows always online.
+- ``heldout_stat_means`` / ``heldout_evaluator``: the objective's own forward stats averaged over the first
+  held-out rows, in lockstep over ranks (ZeRO-3/FSDP forwards are collective), recorded in the checkpoint.
+
+What only looks alike (the objectives' losses, acceptance ranks, draft construction) stays in each entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from data_prep.dataset import collate
+from data_prep.features import training_features
+from train.loop import lockstep_batches
+
+
+def draft_sequence(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, T-1] and causal (per-document) mask [B, T-1, T-1] of the draft's sequence: draft position t
+    reads the pair at t (target features at t, token x_{t+1}); packed rows restart positions per document and
+    never attend across documents."""
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    S = T - 1
+    causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()
+    if "doc_ids" in batch:
+        doc = batch["doc_ids"][:, :S]
+        return batch["position_ids"][:, :S], causal[None] & (doc[:, :, None] == doc[:, None, :])
+    return torch.arange(S, device=ids.device)[None].expand(B, S), causal[None].expand(B, S, S)
+
+
+@dataclass
+class FeatureSource:
+    train: Any  # the training rows (online) or rows + cached features (offline)
+    collate: Callable  # the training collate
+    heldout_collate: Callable  # held-out metrics and the simulated τ: always online (the target runs)
+    source: str  # "online" | "offline:<dir>"
+
+
+def feature_source(cfg: Any, target: Any, data: Any, layers: Sequence[int]) -> FeatureSource:
+    """Training features as ``cfg.features.dir`` asks (checked against the target, layers and data)."""
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    features_dir = cfg.get("features", {}).get("dir")
+    train, batch_fn, source = training_features(features_dir, target, data, layers, pad_id)
+    return FeatureSource(train, batch_fn, lambda rows: collate(rows, pad_id), source)
+
+
+def heldout_rows(heldout: Any, max_tokens: int) -> int:
+    """How many leading held-out rows make ~max_tokens tokens (the row that crosses the budget included; 0 for
+    a budget of 0 or an empty split). The same on every rank."""
+    n, seen = 0, 0
+    for x in (heldout["input_ids"] if heldout is not None and len(heldout) else []):
+        if seen >= max_tokens:
+            break
+        seen += len(x)
+        n += 1
+    return n
+
+
+@torch.no_grad()
+def heldout_stat_means(objective: Any, heldout: Any, batch_fn: Callable, acc: Any, max_tokens: int,
+                       names: Mapping[str, str] | None = None) -> dict[str, float]:
+    """Means of the objective's forward stats (``name -> (sum, count)``, eval mode: no noise) over the first
+    held-out rows up to ~max_tokens tokens, summed over ranks. Every rank runs the same number of batches
+    (``lockstep_batches``). Output keys: ``names[stat]`` for the stats named there (others dropped), else
+    ``heldout_<stat with / as _>`` for every stat; stats without any count are left out."""
+    was = objective.training
+    objective.eval()
+    sums: dict[str, list[float]] = {}
+    with acc.autocast():
+        for idx, counted in lockstep_batches(heldout_rows(heldout, max_tokens), 4, acc):
+            b = {k: v.to(acc.device) for k, v in batch_fn([heldout[j] for j in idx]).items()}
+            _, st = objective(b)
+            for k, (s, c) in st.items():
+                if names is not None and k not in names:
+                    continue
+                p = sums.setdefault(k, [0.0, 0.0])
+                if counted:
+                    p[0] += float(s)
+                    p[1] += float(c)
+    objective.train(was)
+    keys = sorted(names) if names is not None else sorted(sums)  # the same keys on every rank, even with no rows
+    vec = torch.tensor([sums.get(k, [0.0, 0.0])[j] for k in keys for j in (0, 1)], dtype=torch.float64)
+    if acc.num_processes > 1:
+        vec = acc.reduce(vec.to(acc.device), "sum").cpu()
+    out = {}
+    for i, k in enumerate(keys):
+        if vec[2 * i + 1] > 0:
+            name = names[k] if names is not None else "heldout_" + k.replace("/", "_")
+            out[name] = float(vec[2 * i] / vec[2 * i + 1])
+    return out
+
+
+def heldout_evaluator(objective: Any, heldout: Any, batch_fn: Callable, acc: Any, max_tokens: int,
+                      extra: dict[str, Any], names: Mapping[str, str] | None = None) -> Callable[[int], dict]:
+    """The Trainer's ``evaluate``: ``heldout_stat_means``, also recorded (rounded) as ``extra["heldout"]``, which
+    the next checkpoint writes into its config.json."""
+    def evaluate(step: int) -> dict[str, Any]:
+        m = heldout_stat_means(objective, heldout, batch_fn, acc, max_tokens, names)
+        if m:
+            extra["heldout"] = {k: round(v, 5) for k, v in m.items()}
+        return m
+
+    return evaluate
