@@ -120,7 +120,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         qfile = Path(cfg.questions)
     else:  # the held-out split of the configured data (prepared on demand, cached)
         qfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
-    questions = load_questions(qfile, cfg.max_questions)
+    questions = load_questions(qfile, cfg.max_questions, cfg.get("per_category"))
     drafter, desc = build_drafter(cfg.drafter, target, cfg.checkpoint, cfg.tree, target.dtype,
                                   bool(cfg.allow_target_mismatch), int(cfg.untrained_heads), cfg.get("baselines"))
     max_depth = int(desc.get("tree_depth", 0))

@@ -434,7 +434,7 @@ def _questions(cfg: DictConfig, target: FrozenTarget) -> tuple[Path, list[dict[s
         from data_prep.dataset import prepare_data
 
         qfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
-    return qfile, load_questions(qfile, cfg.max_questions)
+    return qfile, load_questions(qfile, cfg.max_questions, cfg.get("per_category"))
 
 
 def run_sweep(methods: list[Method], target: FrozenTarget, questions: list[dict[str, Any]], cfg: DictConfig,

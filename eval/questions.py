@@ -8,8 +8,16 @@ from pathlib import Path
 from typing import Any
 
 
-def load_questions(path: str | Path, max_questions: int | None = None) -> list[dict[str, Any]]:
-    """Read and validate a question file; errors name the file, line and field."""
+def load_questions(path: str | Path, max_questions: int | None = None,
+                   per_category: int | None = None) -> list[dict[str, Any]]:
+    """Read and validate a question file; errors name the file, line and field.
+
+    ``per_category`` keeps the first N questions of every category (file order), so a small run still
+    covers all categories (MT-bench files are sorted by category); ``max_questions`` caps the total after it.
+    """
+    if per_category is not None and int(per_category) < 1:
+        raise ValueError(f"per_category must be a positive number of questions, found {per_category}")
+    seen: dict[str, int] = {}
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} does not exist")
@@ -29,7 +37,11 @@ def load_questions(path: str | Path, max_questions: int | None = None) -> list[d
                 raise ValueError(f"{path}:{ln}: field 'turns' must be a non-empty list of non-empty strings, "
                                  f"found {type(turns).__name__ if not isinstance(turns, list) else turns[:2]!r}")
             qid = rec.get("question_id", f"line-{ln}")
-            out.append({"question_id": qid, "category": str(rec.get("category") or "default"), "turns": turns,
+            cat = str(rec.get("category") or "default")
+            if per_category is not None and seen.get(cat, 0) >= int(per_category):
+                continue
+            seen[cat] = seen.get(cat, 0) + 1
+            out.append({"question_id": qid, "category": cat, "turns": turns,
                         "system": rec.get("system")})
             if max_questions is not None and len(out) >= max_questions:
                 break

@@ -105,3 +105,22 @@ def test_formula_and_depth_stats():
     assert d["accept_at_depth"] == [0.75, 0.5]
     assert d["conditional_accept"] == [0.75, pytest.approx(2 / 3, abs=1e-4)]
     assert d["alpha"] == pytest.approx(5 / 7, abs=1e-4) and d["measured_tau"] == 2.25
+
+
+def test_question_file_per_category_and_bad_records(tmp_path):
+    """per_category keeps the first N of each category in file order; malformed records name file and line."""
+    from eval.questions import load_questions
+
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]}
+            for i, c in enumerate(["a", "a", "a", "b", "b", "c"])]
+    qf = tmp_path / "q.jsonl"
+    qf.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = load_questions(qf, per_category=2)
+    assert [q["question_id"] for q in got] == [0, 1, 3, 4, 5]
+    assert [q["question_id"] for q in load_questions(qf, max_questions=3, per_category=1)] == [0, 3, 5]
+    assert len(load_questions(qf)) == 6
+    with pytest.raises(ValueError, match="per_category"):
+        load_questions(qf, per_category=0)
+    qf.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"question_id": 9, "turns": []}) + "\n")
+    with pytest.raises(ValueError, match=r"q.jsonl:2: field 'turns'"):
+        load_questions(qf)
