@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -426,3 +427,29 @@ def test_acceptance_ranks_for_the_simulated_tau(peaked_target_dir):
             assert int(ranks[row, s]) == (top.index(ref) if ref in top else 5)
             if ref not in vocab:
                 assert int(ranks[row, s]) == 5
+
+
+def test_rollout_eval_script_scores_a_checkpoint_like_the_trainer(tmp_path, peaked_target_dir, chat_file):
+    """scripts/eagle3_rollout_eval.py: a ttt_steps=1 draft scored with a 3-step rollout; its step-0 metrics equal the
+    trainer's own final held-out evaluation (same rows, same objective), and the later steps are reported too."""
+    import importlib.util
+
+    from train.eagle3 import main
+
+    kw = _kw(**{"head.ttt_steps": 1})
+    ov = tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "run", **kw)
+    main(compose("eagle3", ov))
+    final = tmp_path / "run" / "final"
+    stored = json.loads((final / "config.json").read_text())["heldout"]
+    spec = importlib.util.spec_from_file_location(
+        "rollout_eval", Path(__file__).resolve().parents[1] / "scripts" / "eagle3_rollout_eval.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    keep = [o for o in ov if not o.startswith(("out_dir=", "head."))]
+    res = mod.evaluate(str(final), 3, keep)
+    m = res["metrics"]
+    assert {f"heldout_top1_s{s}" for s in range(3)} <= set(m) and "sim_tau/positions" in m
+    assert abs(m["heldout_top1_s0"] - stored["heldout_top1_s0"]) < 1e-4
+    assert abs(m["heldout_ce_s0"] - stored["heldout_ce_s0"]) < 1e-3
+    with pytest.raises(ValueError, match="not a head checkpoint"):
+        mod.evaluate(str(tmp_path), 3, keep)
