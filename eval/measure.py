@@ -222,7 +222,18 @@ def run_turn(method: Method, target: FrozenTarget, ids: list[int], max_new_token
             "target_seconds": res.target_seconds, "draft_seconds": res.draft_seconds, "steps": res.steps,
             "accepted_total": sum(res.accepted), "accepted": res.accepted, "tree_depths": res.tree_depths,
             "tree_sizes_mean": (sum(res.tree_sizes) / len(res.tree_sizes)) if res.tree_sizes else 1.0,
-            "stopped": res.stopped}
+            "stopped": res.stopped, "out_of_draft_vocab": out_of_draft_vocab(drafter, res.tokens)}
+
+
+def out_of_draft_vocab(drafter: Any, tokens: Sequence[int]) -> int | None:
+    """How many emitted tokens a draft with its own vocabulary (EAGLE-3) could never have proposed: each is a
+    guaranteed rejection, so this share caps acceptance. None for drafters over the full target vocabulary."""
+    draft = getattr(drafter, "draft", None)
+    if draft is None or not hasattr(draft, "target_ids"):
+        return None
+    vocab = draft.target_ids().cpu()  # [DV] target ids, sorted
+    t = torch.as_tensor(list(tokens), dtype=torch.long)
+    return int((~torch.isin(t, vocab)).sum())
 
 
 def run_questions_interleaved(methods: list[Method], target: FrozenTarget, questions: list[dict[str, Any]],
@@ -373,6 +384,10 @@ def aggregate(rows: list[dict[str, Any]], t1_ms: float | None = None) -> dict[st
     if widths:
         out["mean_tree_size"] = round(sum(widths) / max(1, sum(r["steps"] for r in rows
                                                                 if r.get("tree_sizes_mean") is not None)), 3)
+    oov = [r for r in rows if r.get("out_of_draft_vocab") is not None]
+    if oov:  # share of emitted tokens outside an EAGLE-3 draft vocabulary (never proposable)
+        out["draft_vocab_oov"] = round(sum(r["out_of_draft_vocab"] for r in oov)
+                                       / max(1, sum(r["new_tokens"] for r in oov)), 4)
     if t1_ms:
         out["bookkeeping_pct_of_t1"] = round(100 * out["bookkeeping_ms_per_step"] / t1_ms, 2)
     if out["target_ms_per_step"]:

@@ -76,6 +76,10 @@ def markdown(result: dict[str, Any]) -> str:
         L += _table(["method", "τ", "tokens/s", "× plain", "× HF lookup", "modeled ×", "tree size", "target ms/step",
                      "draft ms/step", "bookkeeping ms/step", "bookkeeping % t_1", "greedy identical"], rows)
         L += [""]
+        oov = {n: s["draft_vocab_oov"] for n, s in block["methods"].items() if s.get("draft_vocab_oov") is not None}
+        if oov:
+            L += ["Emitted tokens outside the draft vocabulary (never proposable, so each one is a rejection): "
+                  + "; ".join(f"{n} {100 * x:.1f}%" for n, x in oov.items()) + ".", ""]
         # per category: τ and speedup; prompt lookup marked where it wins / loses against plain
         cats = sorted({c for s in block["methods"].values() for c in s["per_category"]})
         names = list(block["methods"])

@@ -453,3 +453,27 @@ def test_rollout_eval_script_scores_a_checkpoint_like_the_trainer(tmp_path, peak
     assert abs(m["heldout_ce_s0"] - stored["heldout_ce_s0"]) < 1e-3
     with pytest.raises(ValueError, match="not a head checkpoint"):
         mod.evaluate(str(tmp_path), 3, keep)
+
+
+def test_measure_counts_emitted_tokens_outside_the_draft_vocab():
+    """eval.measure: each EAGLE-3 row counts the emitted tokens its draft vocabulary cannot propose (a hard cap on
+    acceptance); the aggregate is their share of new tokens; full-vocabulary drafters report None."""
+    from eval.measure import aggregate, out_of_draft_vocab
+
+    tgt = from_model(tiny_model("llama", vocab_size=128, seed=3))
+    d = _draft(tgt, dv=60)
+    vocab = set(d.target_ids().tolist())
+    inside, outside = sorted(vocab)[:3], sorted(set(range(128)) - vocab)[:2]
+    drafter = Eagle3Drafter(d, TREES[0])
+    assert out_of_draft_vocab(drafter, inside + outside + outside[:1]) == 3
+    assert out_of_draft_vocab(drafter, inside) == 0 and out_of_draft_vocab(NoDrafter(), outside) is None
+    res = generate(tgt, drafter, list(range(10, 40)), 24)
+    n = out_of_draft_vocab(drafter, res.tokens)
+    assert n == sum(t not in vocab for t in res.tokens)
+    # every emitted out-of-vocab token was a rejection: accepted draft tokens all lie inside the vocabulary
+    assert sum(res.accepted) <= len(res.tokens) - n
+    row = {"steps": 4, "accepted_total": 4, "new_tokens": 8, "seconds": 1.0, "prefill_seconds": 0.1,
+           "target_seconds": 0.5, "draft_seconds": 0.2, "tree_sizes_mean": 5.0}
+    agg = aggregate([{**row, "out_of_draft_vocab": 2}, {**row, "out_of_draft_vocab": 0}, {**row}])
+    assert agg["draft_vocab_oov"] == pytest.approx(2 / 16)
+    assert "draft_vocab_oov" not in aggregate([row])
