@@ -37,10 +37,19 @@ def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
     return np.sort(order[:draft_vocab_size]).astype(np.int64)
 
 
-def vocab_stats(counts: np.ndarray, vocab_ids: np.ndarray) -> dict[str, Any]:
-    """Coverage numbers recorded in the checkpoint and the log."""
+def vocab_stats(counts: np.ndarray, vocab_ids: np.ndarray,
+                heldout_counts: np.ndarray | None = None) -> dict[str, Any]:
+    """Coverage numbers recorded in the checkpoint and the log.
+
+    Training coverage is 1.0 whenever DV exceeds the distinct ids seen, which says nothing about new text;
+    ``heldout_coverage`` (assistant tokens of the held-out split inside the vocabulary) is the honest estimate
+    of how often the draft *can* propose the next token.
+    """
     total = int(counts.sum())
     inside = int(counts[vocab_ids].sum())
-    return {"draft_vocab_size": int(vocab_ids.size), "assistant_tokens": total,
-            "distinct_assistant_ids": int((counts > 0).sum()),
-            "coverage": round(inside / total, 6) if total else None}
+    out = {"draft_vocab_size": int(vocab_ids.size), "assistant_tokens": total,
+           "distinct_assistant_ids": int((counts > 0).sum()),
+           "coverage": round(inside / total, 6) if total else None}
+    if heldout_counts is not None and int(heldout_counts.sum()):
+        out["heldout_coverage"] = round(int(heldout_counts[vocab_ids].sum()) / int(heldout_counts.sum()), 6)
+    return out

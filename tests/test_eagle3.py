@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -129,6 +130,11 @@ def test_draft_vocab_selection_and_mapping_round_trip(tmp_path):
     assert select_draft_vocab(counts, 3).tolist() == [1, 3, 7]
     assert select_draft_vocab(counts, 6).tolist() == [0, 1, 2, 3, 7, 9]
     assert vocab_stats(counts, select_draft_vocab(counts, 3))["coverage"] == pytest.approx(5 / 7)
+    # held-out coverage: tokens of another split inside the vocabulary counted from the training split
+    held = count_assistant_tokens({"input_ids": [[1, 4, 7, 11]], "loss_mask": [[1, 1, 1, 0]]}, 12)
+    st = vocab_stats(counts, select_draft_vocab(counts, 3), held)
+    assert st["heldout_coverage"] == pytest.approx(2 / 3) and st["coverage"] == pytest.approx(5 / 7)
+    assert "heldout_coverage" not in vocab_stats(counts, select_draft_vocab(counts, 3), np.zeros(12, np.int64))
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         count_assistant_tokens(rows, 8)
     d2t, t2d = vocab_mapping([9, 1, 3, 7], 12)
@@ -282,6 +288,7 @@ def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_
     assert mean("top1/s0", first) < 0.01 < mean("top1/s0", range(15, 25))
     assert {f"top1/s{s}" for s in range(3)} | {"ce/s0", "oov_argmax", "vocab_mass"} <= set(rows[24])
     assert summary["draft_vocab"]["source"] == "counted" and summary["draft_vocab"]["coverage"] == 1.0
+    assert 0.0 < summary["draft_vocab"]["heldout_coverage"] <= 1.0
     final = tmp_path / "full" / "final"
     ck = json.loads((final / "config.json").read_text())
     assert ck["family"] == "eagle3" and ck["ttt_steps"] == 3 and ck["head_config"]["aux_layers"] == AUX

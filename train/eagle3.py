@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 TARGET_CHUNK = 2048  # rows per chunk of the target's lm_head (bounds its [rows, V] logits)
 CE_CHUNK_ELEMENTS = 1 << 22  # elements per row chunk of the fused soft-CE (bounds its fp32 temporaries)
+HELDOUT_COVERAGE_WARN = 0.97  # warn below this share of held-out assistant tokens inside the draft vocabulary
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -262,7 +263,13 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
     draft = Eagle3Draft(config, target)
     draft.set_vocab(vocab, init_lm_head_from=target.lm_head().weight if h.init_lm_head == "target" else None)
-    return draft, {"source": "counted", **vocab_stats(counts, vocab)}
+    held = count_assistant_tokens(data.heldout, V) if data.heldout is not None and len(data.heldout) else None
+    info = {"source": "counted", **vocab_stats(counts, vocab, held)}
+    if info.get("heldout_coverage") is not None and info["heldout_coverage"] < HELDOUT_COVERAGE_WARN:
+        log.warning("the draft vocabulary (%d ids) covers only %.1f%% of the held-out assistant tokens: every other "
+                    "token is a guaranteed rejection; raise head.draft_vocab_size (default min(32000, V)) or train "
+                    "on more varied data", dv, 100 * info["heldout_coverage"])
+    return draft, info
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
