@@ -310,6 +310,8 @@ def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_
     s2 = main(compose("eagle3", tiny_train_overrides(tiny_target_dir, chat_file, killed,
                                                      **kw, **{"train.resume": "true"})))
     assert s2["draft_vocab"]["source"].startswith("resume:")
+    assert s2["draft_vocab"]["heldout_coverage"] == summary["draft_vocab"]["heldout_coverage"]  # carried over
+    assert s2["draft_vocab"]["distinct_assistant_ids"] == summary["draft_vocab"]["distinct_assistant_ids"]
     got = _rows(killed)
     assert sorted(got) == list(range(1, 25))
     for s in range(13, 25):

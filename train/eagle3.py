@@ -244,14 +244,26 @@ def _from_checkpoint(path: Path, target: FrozenTarget, h: DictConfig, why: str) 
     return draft
 
 
+def _saved_vocab_stats(path: Path) -> dict[str, Any]:
+    """The coverage numbers a checkpoint recorded when its vocabulary was counted, carried into the next one
+    (so a resumed or fine-tuned run still says how well its vocabulary covers the data it was counted on)."""
+    try:
+        saved = json.loads((Path(path) / "config.json").read_text()).get("draft_vocab") or {}
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in saved.items() if k != "source"}
+
+
 def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
     """Fresh draft with a draft vocabulary counted from the training split, or one taken from a checkpoint."""
     h = cfg.head
     ckpts = list_checkpoints(out_dir) if cfg.train.resume else []
     if ckpts:
-        return _from_checkpoint(ckpts[-1][1], target, h, "resume"), {"source": f"resume:{ckpts[-1][1]}"}
+        p = ckpts[-1][1]
+        return _from_checkpoint(p, target, h, "resume"), {**_saved_vocab_stats(p), "source": f"resume:{p}"}
     if h.get("init_from"):
-        return _from_checkpoint(Path(h.init_from), target, h, "init_from"), {"source": f"init_from:{h.init_from}"}
+        p = Path(h.init_from)
+        return _from_checkpoint(p, target, h, "init_from"), {**_saved_vocab_stats(p), "source": f"init_from:{p}"}
     V = target.vocab_size
     dv = resolve_draft_vocab_size(h.draft_vocab_size, V)
     config = eagle3_config_for(target, None if h.aux_layers is None else list(h.aux_layers), dv,
