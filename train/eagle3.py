@@ -279,8 +279,8 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     info = {"source": "counted", **vocab_stats(counts, vocab, held)}
     if info.get("heldout_coverage") is not None and info["heldout_coverage"] < HELDOUT_COVERAGE_WARN:
         log.warning("the draft vocabulary (%d ids) covers only %.1f%% of the held-out assistant tokens: every other "
-                    "token is a guaranteed rejection; raise head.draft_vocab_size (default min(32000, V)) or train "
-                    "on more varied data", dv, 100 * info["heldout_coverage"])
+                    "token is a guaranteed rejection; a larger head.draft_vocab_size (default min(32000, V)) removes "
+                    "those at the cost of a larger draft lm_head", dv, 100 * info["heldout_coverage"])
     return draft, info
 
 
