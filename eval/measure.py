@@ -228,12 +228,10 @@ def run_turn(method: Method, target: FrozenTarget, ids: list[int], max_new_token
 def out_of_draft_vocab(drafter: Any, tokens: Sequence[int]) -> int | None:
     """How many emitted tokens a draft with its own vocabulary (EAGLE-3) could never have proposed: each is a
     guaranteed rejection, so this share caps acceptance. None for drafters over the full target vocabulary."""
-    draft = getattr(drafter, "draft", None)
-    if draft is None or not hasattr(draft, "target_ids"):
+    t2d = getattr(getattr(drafter, "draft", None), "t2d", None)  # [V] bool: target id inside the draft vocab
+    if t2d is None:
         return None
-    vocab = draft.target_ids().cpu()  # [DV] target ids, sorted
-    t = torch.as_tensor(list(tokens), dtype=torch.long)
-    return int((~torch.isin(t, vocab)).sum())
+    return int((~t2d[torch.as_tensor(list(tokens), dtype=torch.long, device=t2d.device)]).sum())
 
 
 def run_questions_interleaved(methods: list[Method], target: FrozenTarget, questions: list[dict[str, Any]],

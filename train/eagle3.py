@@ -246,11 +246,9 @@ def _from_checkpoint(path: Path, target: FrozenTarget, h: DictConfig, why: str) 
 
 def _saved_vocab_stats(path: Path) -> dict[str, Any]:
     """The coverage numbers a checkpoint recorded when its vocabulary was counted, carried into the next one
-    (so a resumed or fine-tuned run still says how well its vocabulary covers the data it was counted on)."""
-    try:
-        saved = json.loads((Path(path) / "config.json").read_text()).get("draft_vocab") or {}
-    except (OSError, ValueError):
-        return {}
+    (so a resumed or fine-tuned run still says how well its vocabulary covers the data it was counted on).
+    Called after the checkpoint has loaded, so its config.json exists and parses."""
+    saved = json.loads((Path(path) / "config.json").read_text()).get("draft_vocab") or {}
     return {k: v for k, v in saved.items() if k != "source"}
 
 
