@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job on the embedded defaults (SmolLM2-135M-Instruct + a ShareGPT slice), est. ~19 min on one core
-# (measured on one core, OMP_NUM_THREADS=1, MAXQ=20: 23.7 min = 12.6 min training + 5.4 + 4.5 min evaluation; the default MAXQ=10 halves the evaluation):
+# The main job on the embedded defaults (SmolLM2-135M-Instruct + a ShareGPT slice): 19.7 min measured on one
+# core (OMP_NUM_THREADS=1, default MAXQ=10, the other core busy):
 #   1. prepare a small ShareGPT slice (tokenized with the target's chat template, assistant-only masks)
 #   2. train 4 Medusa heads on the frozen target
 #   3. evaluate untrained (identity-initialized) and trained heads on the held-out split: τ tables
