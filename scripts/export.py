@@ -19,14 +19,20 @@ ids (its id i is the *output* of layer i), so the sglang export writes i-1 — a
 
 Every export is checked strictly before it is renamed into place: exactly the required tensor keys
 (none missing, none extra) with the expected shapes and dtypes, and the required config fields.
-Loading an export back into speculators is tested (tests/test_export.py, scripts/speculators_check.py).
+Loading an export back into speculators is tested (tests/test_export.py, scripts/speculators_check.py);
+``speculators_python=PATH`` (a Python with the ``speculators`` package, ``scripts/make_speculators_venv.sh``)
+makes the job do that round trip on the exported checkpoint itself: speculators loads the export and its
+per-step logits on one chat-templated prompt (the target's real fused features) must equal ours.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -215,13 +221,101 @@ def verify_export(path: str | Path, draft: Eagle3Draft, fmt: str) -> None:
     check_export(tensors, config, fmt, required_keys(draft, fmt), str(path))
 
 
+ROUNDTRIP_PROMPT = "Explain in three sentences why the sky is blue."
+ROUNDTRIP_REL_TOL = 1e-4  # max |logit difference| / max |logit| of the fp32 round trip (measured ~4e-7)
+
+
+def _roundtrip_inputs(draft: Eagle3Draft, target: FrozenTarget, prompt: str, new_tokens: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused aux features [1, L, n·H] and next tokens [1, L] of a chat-templated prompt + the target's greedy answer."""
+    tok = target.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError(f"the speculators round trip needs the target's tokenizer with a chat template; target "
+                         f"{target.identity.name!r} has none")
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    seq = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(target.device)  # [1, T]
+    with torch.no_grad():
+        for _ in range(new_tokens):  # a short greedy answer, so the positions include assistant text
+            nxt = target(seq)["logits"][:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+        hid = target(seq, layers=draft.config.aux_layers, logits=False)["hidden"]
+    L = seq.shape[1] - 1
+    aux = torch.cat([hid[a][:, :L] for a in draft.config.aux_layers], -1).float()  # [1, L, n·H] features at t
+    return aux, seq[:, 1:]  # x_{t+1}
+
+
+def speculators_roundtrip(draft: Eagle3Draft, target: FrozenTarget, export_dir: str | Path, python: str | Path,
+                          steps: int, prompt: str = ROUNDTRIP_PROMPT, new_tokens: int = 16) -> dict[str, Any]:
+    """Load an export with the ``speculators`` package (in its own Python) and compare with our draft.
+
+    Two loads in one subprocess: the export as written (its keys and values must be exactly what speculators'
+    model holds) and an fp32 copy whose per-step logits must equal ours (fp32 draft) within
+    ``ROUNDTRIP_REL_TOL``; the export's own dtype only reports argmax agreement. Raises ``ValueError`` on a
+    mismatch, so a CI job can gate publishing on it.
+    """
+    python = Path(python)
+    if not python.is_file():
+        raise ValueError(f"speculators_python={python} is not a file: point it at a Python that has the speculators "
+                         f"package (bash scripts/make_speculators_venv.sh creates .venv-spec/bin/python)")
+    assert target.dtype == torch.float32, "the round trip compares fp32 logits"
+    export_dir = Path(export_dir)
+    aux, ids = _roundtrip_inputs(draft, target, prompt, new_tokens)
+    L = ids.shape[1]
+    draft = draft.float().eval()
+    with torch.no_grad():
+        outs = draft.rollout(aux, torch.cat([ids, torch.zeros(1, steps - 1, dtype=ids.dtype, device=ids.device)], 1),
+                             torch.arange(L, device=ids.device)[None],
+                             torch.ones(L, L, dtype=torch.bool, device=ids.device).tril()[None], steps)
+        ours = torch.stack([draft.logits(o)[0] for o in outs]).cpu()  # [k, L, DV]
+    with tempfile.TemporaryDirectory(prefix="draftheads-roundtrip-") as tmp:
+        tmp = Path(tmp)
+        save_file({"hidden_states": aux.cpu().contiguous(), "input_ids": ids.cpu().contiguous(),
+                   "ttt_steps": torch.tensor([steps])}, str(tmp / "in.safetensors"))
+        fp32_dir = export(draft, target, tmp / "fp32", "speculators", None, steps, torch.float32)
+        args = [str(export_dir), str(tmp / "in.safetensors"), str(tmp / "as-exported"),
+                str(fp32_dir), str(tmp / "in.safetensors"), str(tmp / "fp32-out")]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("PYTHONPATH", None)  # its own environment: nothing of ours on its path
+        r = subprocess.run([str(python), str(REPO / "scripts" / "speculators_check.py"), *args],
+                           capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise ValueError(f"speculators could not load or run the export {export_dir} (with {python}):\n"
+                             f"{r.stderr[-3000:]}")
+        report = json.loads((tmp / "as-exported" / "report.json").read_text())
+        got = load_file(str(tmp / "as-exported" / "result.safetensors"))
+        got32 = load_file(str(tmp / "fp32-out" / "result.safetensors"))
+    if got32["logits"].shape != ours.shape:
+        raise ValueError(f"speculators returned logits of shape {tuple(got32['logits'].shape)} for the export "
+                         f"{export_dir}; ours are {tuple(ours.shape)} [steps, positions, draft vocab]")
+    scale = float(ours.abs().max())
+    diff = float((got32["logits"] - ours).abs().max())
+    result = {"positions": L, "steps": steps, "missing_in_file": report["missing_in_file"],
+              "unexpected_in_file": report["unexpected_in_file"], "value_mismatch": report["value_mismatch"],
+              "fp32_max_abs_diff": diff, "logit_scale": scale,
+              "fp32_argmax_equal": float((got32["ids"] == ours.argmax(-1)).float().mean()),
+              "export_dtype_argmax_equal": float((got["ids"] == ours.argmax(-1)).float().mean())}
+    bad = [k for k in ("missing_in_file", "unexpected_in_file", "value_mismatch") if result[k]]
+    if bad:
+        raise ValueError(f"speculators loaded the export {export_dir} with key problems: "
+                         + "; ".join(f"{k}: {result[k][:5]}" for k in bad))
+    if not diff <= ROUNDTRIP_REL_TOL * scale:
+        raise ValueError(f"speculators' logits for the export {export_dir} differ from ours by {diff:.3g} at logit "
+                         f"scale {scale:.3g} (allowed {ROUNDTRIP_REL_TOL:g} × scale): the export does not reproduce "
+                         f"the draft")
+    return result
+
+
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     if cfg.format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {cfg.format!r}")
     dtype = parse_dtype(cfg.dtype)
+    check = cfg.get("speculators_python")
+    if check and cfg.format != "speculators":
+        raise ValueError(f"speculators_python checks a speculators export; format is {cfg.format!r}")
+    # the round trip compares fp32 logits; the export itself is cast to `dtype` either way
     tcfg = TargetConfig(**{**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__},
-                           "dtype": cfg.dtype})
+                           "dtype": "fp32" if check else cfg.dtype})
     target = load_target(tcfg)
     draft = Eagle3Draft.from_pretrained(cfg.checkpoint, target, bool(cfg.allow_target_mismatch))
     ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
@@ -234,6 +328,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     summary = {"out": str(out), "format": cfg.format, "verifier": verifier, "dtype": cfg.dtype,
                "aux_layers": draft.config.aux_layers, "draft_vocab_size": draft.config.draft_vocab_size,
                "speculative_tokens": steps}
+    if check:
+        # ---- round trip through the speculators package
+        summary["speculators_roundtrip"] = speculators_roundtrip(draft, target, out, check, steps)
     log.info("exported: %s", json.dumps(summary))
     print(json.dumps(summary), flush=True)
     return summary

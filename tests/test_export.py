@@ -168,3 +168,35 @@ def test_speculators_loads_our_export_and_reproduces_our_logits(tmp_path, tiny_t
         scale = float(ours[name].abs().max())
         assert float((res["logits"] - ours[name]).abs().max()) < 1e-5 * scale, name
         assert torch.equal(res["ids"], ours[name].argmax(-1)), name
+
+
+def test_roundtrip_option_refuses_a_missing_python_and_another_format(tmp_path, tiny_target_dir):
+    from scripts.export import main as export_main
+
+    llama = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    _draft(llama).save_pretrained(tmp_path / "ckpt", llama.identity)
+    base = ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true",
+            f"checkpoint={tmp_path / 'ckpt'}", f"out={tmp_path / 'e'}"]
+    with pytest.raises(ValueError, match=r"speculators_python=.*no-such-python is not a file.*make_speculators_venv"):
+        export_main(compose("export", base + [f"speculators_python={tmp_path / 'no-such-python'}"]))
+    with pytest.raises(ValueError, match="checks a speculators export; format is 'sglang'"):
+        export_main(compose("export", base + ["format=sglang", f"speculators_python={SPEC_PY}"]))
+
+
+@pytest.mark.skipif(not SPEC_PY.is_file(), reason=f"no speculators environment at {SPEC_PY}")
+def test_export_job_round_trip_through_speculators_on_a_chat_prompt(tmp_path, tiny_target_dir):
+    """``speculators_python=`` makes the export job itself reload a bf16 export in speculators: exact keys and
+    values, fp32 logits equal ours on a chat-templated prompt + greedy answer."""
+    from scripts.export import main as export_main
+
+    llama = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    _draft(llama, seed=4).save_pretrained(tmp_path / "ckpt", llama.identity)
+    s = export_main(compose("export", ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true",
+                                       f"checkpoint={tmp_path / 'ckpt'}", "dtype=bf16", f"out={tmp_path / 'e'}",
+                                       "speculative_tokens=3", f"speculators_python={SPEC_PY}"]))
+    rt = s["speculators_roundtrip"]
+    assert rt["steps"] == 3 and rt["positions"] > 16  # the templated prompt + 16 greedy tokens
+    assert rt["missing_in_file"] == rt["unexpected_in_file"] == rt["value_mismatch"] == []
+    assert rt["fp32_max_abs_diff"] < 1e-5 * rt["logit_scale"] and rt["fp32_argmax_equal"] == 1.0
+    assert rt["export_dtype_argmax_equal"] > 0.5  # bf16 weights: most argmaxes survive the rounding
+    assert load_file(str(tmp_path / "e" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
