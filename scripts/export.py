@@ -271,7 +271,9 @@ def speculators_roundtrip(draft: Eagle3Draft, target: FrozenTarget, export_dir: 
         tmp = Path(tmp)
         save_file({"hidden_states": aux.cpu().contiguous(), "input_ids": ids.cpu().contiguous(),
                    "ttt_steps": torch.tensor([steps])}, str(tmp / "in.safetensors"))
-        fp32_dir = export(draft, target, tmp / "fp32", "speculators", None, steps, torch.float32)
+        # the same verifier as the export: speculators loads the verifier's weights from it
+        verifier = json.loads((export_dir / "config.json").read_text())["speculators_config"]["verifier"]
+        fp32_dir = export(draft, target, tmp / "fp32", "speculators", verifier["name_or_path"], steps, torch.float32)
         args = [str(export_dir), str(tmp / "in.safetensors"), str(tmp / "as-exported"),
                 str(fp32_dir), str(tmp / "in.safetensors"), str(tmp / "fp32-out")]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
