@@ -75,11 +75,14 @@ def _run(tmp_path, target_dir, chat_file, name, **kw):
 
 def test_training_lowers_loss_and_checkpoint_round_trips(tmp_path, tiny_target_dir, chat_file):
     summary, out = _run(tmp_path, tiny_target_dir, chat_file, "run",
-                        **{"train.max_steps": 40, "optim.lr": 3e-3, "train.log_every": 5, "head.num_heads": 3})
+                        **{"train.max_steps": 40, "optim.lr": 3e-3, "train.log_every": 5, "head.num_heads": 3,
+                           "train.eval_every": 12})
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < 0.6 * losses[0], losses
     assert rows[-1]["heldout_top1/1"] > 0.2  # the synthetic chats are learnable
+    # eval_every need not be a multiple of log_every: steps 12, 24, 36 still get a row with held-out metrics
+    assert [r["step"] for r in rows if "heldout_top1/1" in r][:3] == [12, 24, 36]
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     heads = MedusaHeads.from_pretrained(out / "final", tgt)
     cfg = json.loads((out / "final" / "config.json").read_text())

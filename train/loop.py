@@ -947,15 +947,17 @@ class Trainer:
             window.append(m)
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}")
-            if self.step % int(t.log_every) == 0 or self.step == self.max_steps:
+            ev = int(t.get("eval_every") or 0)
+            eval_now = ev > 0 and self.step % ev == 0 and self.step < self.max_steps
+            # an eval step always writes a row, so eval_every need not be a multiple of log_every
+            if self.step % int(t.log_every) == 0 or self.step == self.max_steps or eval_now:
                 row = {k: float(np.mean([w[k] for w in window if k in w])) for k in window[-1]}
                 row["step"] = self.step
                 row["epoch"] = round(self.batches.epoch_of(self.step), 4)
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 row["tokens_per_s"] = tokens / elapsed
                 row["steps_per_s"] = (self.step - start_step) / elapsed
-                ev = int(t.get("eval_every") or 0)
-                if ev > 0 and self.step % ev == 0 and self.step < self.max_steps:
+                if eval_now:
                     row.update(self._eval_metrics())
                 window = []
                 self.history.append(row)
