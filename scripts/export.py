@@ -244,6 +244,12 @@ def _roundtrip_inputs(draft: Eagle3Draft, target: FrozenTarget, prompt: str, new
     return aux, seq[:, 1:]  # x_{t+1}
 
 
+def _check_speculators_python(python: Path) -> None:
+    if not python.is_file():
+        raise ValueError(f"speculators_python={python} is not a file: point it at a Python that has the speculators "
+                         f"package (bash scripts/make_speculators_venv.sh creates .venv-spec/bin/python)")
+
+
 def speculators_roundtrip(draft: Eagle3Draft, target: FrozenTarget, export_dir: str | Path, python: str | Path,
                           steps: int, prompt: str = ROUNDTRIP_PROMPT, new_tokens: int = 16) -> dict[str, Any]:
     """Load an export with the ``speculators`` package (in its own Python) and compare with our draft.
@@ -254,9 +260,7 @@ def speculators_roundtrip(draft: Eagle3Draft, target: FrozenTarget, export_dir: 
     mismatch, so a CI job can gate publishing on it.
     """
     python = Path(python)
-    if not python.is_file():
-        raise ValueError(f"speculators_python={python} is not a file: point it at a Python that has the speculators "
-                         f"package (bash scripts/make_speculators_venv.sh creates .venv-spec/bin/python)")
+    _check_speculators_python(python)
     assert target.dtype == torch.float32, "the round trip compares fp32 logits"
     export_dir = Path(export_dir)
     aux, ids = _roundtrip_inputs(draft, target, prompt, new_tokens)
@@ -315,6 +319,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     check = cfg.get("speculators_python")
     if check and cfg.format != "speculators":
         raise ValueError(f"speculators_python checks a speculators export; format is {cfg.format!r}")
+    if check:  # before anything is written
+        _check_speculators_python(Path(check))
     # the round trip compares fp32 logits; the export itself is cast to `dtype` either way
     tcfg = TargetConfig(**{**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__},
                            "dtype": "fp32" if check else cfg.dtype})

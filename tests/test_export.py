@@ -179,6 +179,7 @@ def test_roundtrip_option_refuses_a_missing_python_and_another_format(tmp_path, 
             f"checkpoint={tmp_path / 'ckpt'}", f"out={tmp_path / 'e'}"]
     with pytest.raises(ValueError, match=r"speculators_python=.*no-such-python is not a file.*make_speculators_venv"):
         export_main(compose("export", base + [f"speculators_python={tmp_path / 'no-such-python'}"]))
+    assert not (tmp_path / "e").exists()  # refused before anything is written
     with pytest.raises(ValueError, match="checks a speculators export; format is 'sglang'"):
         export_main(compose("export", base + ["format=sglang", f"speculators_python={SPEC_PY}"]))
 
