@@ -785,7 +785,7 @@ class Trainer:
             full, osd = {}, {}
             if self.acc.is_main_process:
                 full = load_file(str(ts / "draft.safetensors"))
-                osd = torch.load(ts / "optimizer.pt", weights_only=True)
+                osd = torch.load(ts / "optimizer.pt", map_location="cpu", weights_only=True)
             opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(self.model, full, options=opts)
             set_optimizer_state_dict(self.model, self._opt(), osd, options=opts)
@@ -796,11 +796,13 @@ class Trainer:
                 raise ValueError(f"cannot resume {path} (written under FSDP) without FSDP: relaunch with "
                                  f"conf/launch/fsdp.yaml, or start from its head")
             self._unwrapped().load_trainable_state_dict(load_file(str(path / "model.safetensors")))
-            self._opt().load_state_dict(torch.load(ts / "optimizer.pt", weights_only=True))
-        self.scheduler.load_state_dict(torch.load(ts / "scheduler.pt", weights_only=True))
+            # map to the CPU: a checkpoint written on cuda:0 must load on a CPU-only machine or on another rank's
+            # GPU; load_state_dict moves each state tensor to its parameter's device
+            self._opt().load_state_dict(torch.load(ts / "optimizer.pt", map_location="cpu", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(ts / "scheduler.pt", map_location="cpu", weights_only=True))
         rng_file = ts / f"rng-rank{self.acc.process_index}.pt"
         if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=True))
+            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
         self.step = step
         if self.metrics_path.is_file() and self.acc.is_main_process:  # drop log lines past the checkpoint
             lines = [ln for ln in self.metrics_path.read_text().splitlines()
