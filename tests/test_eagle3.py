@@ -332,6 +332,32 @@ def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_
                                                                 "head.draft_vocab_size": 50}))))
 
 
+def test_frozen_lm_head_keeps_the_target_rows_and_trains_the_rest(tmp_path, peaked_target_dir, chat_file):
+    from train.eagle3 import main
+
+    kw = _kw(**{"train.max_steps": 12, "head.freeze_lm_head": "true"})
+    summary = main(compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "frz", **kw)))
+    rows = _rows(tmp_path / "frz")
+    assert sum(rows[s]["loss"] for s in (10, 11, 12)) < 0.8 * sum(rows[s]["loss"] for s in (1, 2, 3))
+    tensors = load_file(str(tmp_path / "frz" / "final" / "model.safetensors"))
+    tgt = load_target({"name": str(peaked_target_dir), "dtype": "fp32"})
+    ids = torch.arange(100) + tensors["d2t"]  # draft id -> target id
+    assert torch.equal(tensors["lm_head.weight"], tgt.lm_head().weight.detach()[ids].float())
+    H = tgt.hidden_size
+    assert summary["trainable_params"] == sum(v.numel() for k, v in tensors.items()
+                                              if k not in ("d2t", "t2d")) - 100 * H
+    assert json.loads((tmp_path / "frz" / "final" / "config.json").read_text())["freeze_lm_head"] is True
+    # the fc and the layer did train
+    init = tmp_path / "init"
+    main(compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, init,
+                                                **_kw(**{"train.max_steps": 0, "head.freeze_lm_head": "true"}))))
+    assert not torch.equal(load_file(str(init / "final" / "model.safetensors"))["fc.weight"], tensors["fc.weight"])
+    with pytest.raises(ValueError, match="head.freeze_lm_head=true .* needs head.init_lm_head=target"):
+        main(compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "x",
+                                                    **_kw(**{"head.freeze_lm_head": "true",
+                                                             "head.init_lm_head": "random"}))))
+
+
 # ------------------------------------------------------------------------------------------ drafting
 
 TREES = [EagleTreeConfig(top_k=4, depth=5, nodes=20), EagleTreeConfig(kind="chain", depth=4),

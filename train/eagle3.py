@@ -282,6 +282,17 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     return draft, info
 
 
+def freeze_lm_head(draft: Eagle3Draft, h: DictConfig) -> None:
+    """head.freeze_lm_head: the draft then only learns features its starting lm_head reads well (as EAGLE does
+    with the target's own head), instead of also moving the output rows from the target's."""
+    if not h.get("freeze_lm_head", False):
+        return
+    if h.init_lm_head != "target" and not h.get("init_from"):
+        raise ValueError("head.freeze_lm_head=true keeps lm_head at its starting rows, so it needs "
+                         f"head.init_lm_head=target (got {h.init_lm_head!r}: a frozen random head)")
+    draft.lm_head.weight.requires_grad_(False)
+
+
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Everything main() needs, exposed so tests can stop and resume the Trainer."""
     acc = make_accelerator(cfg)
@@ -291,6 +302,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         data = prepare_data(cfg.data, target.tokenizer)
     h = cfg.head
     draft, vocab_info = build_draft(cfg, target, data, out_dir)
+    freeze_lm_head(draft, h)
     draft = draft.to(acc.device)
     objective = Eagle3Objective(draft, target, int(h.ttt_steps), float(h.ttt_decay), bool(h.loss_checkpoint))
     feats = feature_source(cfg, target, data, objective.layers)
@@ -300,10 +312,11 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         log.info("EAGLE-3: %s layer, aux layers %s, draft vocab %d (%s), %.2fM trainable params, %d TTT steps; "
                  "%d training examples; features %s", type(draft.layers[0]).__name__, draft.config.aux_layers,
                  draft.config.draft_vocab_size, json.dumps(vocab_info),
-                 sum(p.numel() for p in draft.parameters()) / 1e6, objective.steps, len(data.train), feats.source)
+                 sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6, objective.steps,
+                 len(data.train), feats.source)
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
              "features": feats.source, "draft_vocab": vocab_info, "ttt_steps": objective.steps,
-             "ttt_decay": objective.decay}
+             "ttt_decay": objective.decay, "freeze_lm_head": bool(h.get("freeze_lm_head", False))}
     # Held-out CE and top-1 agreement with the target per TTT step, and the simulated τ (train.sim_tau_examples,
     # through acceptance_ranks): held-out rows always go through the target (online features).
     evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens), extra)
