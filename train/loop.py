@@ -1143,6 +1143,11 @@ def write_summary(acc: Any, out_dir: Path, family: str, result: TrainResult, **f
     if acc.is_main_process:
         atomic_write_text(Path(out_dir) / "summary.json", json.dumps(summary, indent=2))
         log.info("done: %s", json.dumps(summary))
+    if acc.num_processes > 1:
+        # Tear the process group down before the interpreter exits: left to atexit, a gloo rank can abort with
+        # "terminate called without an active exception" after a finished run, failing the whole launch.
+        acc.wait_for_everyone()
+        acc.end_training()
     return summary
 
 

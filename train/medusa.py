@@ -6,7 +6,6 @@ head + summary). ``main(cfg)`` is a plain function; tests call it with a compose
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -19,7 +18,7 @@ from torch import nn
 from data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget, load_target
-from train.loop import Trainer, lockstep_batches, make_accelerator, resolve_out_dir, save_run_config
+from train.loop import Trainer, lockstep_batches, make_accelerator, resolve_out_dir, save_run_config, write_summary
 
 log = logging.getLogger(__name__)
 
@@ -190,15 +189,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- loop
     result = trainer.fit()
     # ---- save
-    summary = {"family": "medusa", "out_dir": str(out_dir), "final": str(result.final_dir), "steps": result.steps,
-               "seconds": round(result.seconds, 1), "train_tokens_per_s": round(result.tokens_per_s, 1),
-               "peak_rss_mb": round(result.peak_memory_mb, 1), **result.summary_fields(),
-               "losses": [round(r["loss"], 6) for r in result.history if "loss" in r],
-               "last": result.history[-1] if result.history else {}}
-    if acc.is_main_process:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        log.info("done: %s", json.dumps(summary))
-    return summary
+    return write_summary(acc, out_dir, "medusa", result)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="medusa")
