@@ -120,6 +120,26 @@ def test_slurm_script_starts_one_launcher_per_node():
         assert args[-2:] == ["train/eagle.py", "run_name=a b"]  # overrides pass through unsplit
 
 
+def test_write_summary_ends_a_multi_process_run_and_only_that(tmp_path):
+    """Every entry's last call: with several ranks it must barrier then destroy the process group (a gloo rank left
+    to atexit aborted a finished ZeRO-2 launch); a single process keeps its state (tests call main() repeatedly)."""
+    from types import SimpleNamespace
+
+    from train.loop import TrainResult, write_summary
+
+    for n, main, expected in ((2, True, ["wait", "end"]), (2, False, ["wait", "end"]), (1, True, [])):
+        calls: list[str] = []
+        acc = SimpleNamespace(num_processes=n, is_main_process=main, wait_for_everyone=lambda: calls.append("wait"),
+                              end_training=lambda: calls.append("end"))
+        out = tmp_path / f"{n}-{main}"
+        out.mkdir()
+        result = TrainResult(out, out / "final", 4, [{"step": 4, "loss": 1.5}], 2.0, 10.0, 100.0)
+        summary = write_summary(acc, out, "medusa", result, extra_field=7)
+        assert calls == expected
+        assert summary["losses"] == [1.5] and summary["extra_field"] == 7 and summary["family"] == "medusa"
+        assert (out / "summary.json").exists() == main
+
+
 # ------------------------------------------------------------------------------------------ equivalence
 
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])

@@ -1132,7 +1132,8 @@ def write_summary(acc: Any, out_dir: Path, family: str, result: TrainResult, **f
     """An entry's summary.json (rank 0 writes it, every rank returns it): ``family``, the family's own ``fields``
     (feature source, draft vocabulary, ...), what ran and how fast, the scale-out fields every family carries
     (``TrainResult.summary_fields``) and the loss curve. ``peak_rss_loop_mb`` is rank 0's peak RSS during fit()
-    (the loop's measure; scripts/bench_features.py reads it)."""
+    (the loop's measure; scripts/bench_features.py reads it). Being every entry's last call, it also ends a
+    multi-process run: all ranks meet, then the process group is destroyed."""
     loop_peak = result.peak_loop_memory_mb_per_rank
     summary = {"family": family, **fields, "out_dir": str(out_dir), "final": str(result.final_dir),
                "steps": result.steps, "seconds": round(result.seconds, 1),
