@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from data_prep.sources import Conversation, load_conversations, split_conversations, sharegpt_path
+from data_prep.sources import (SPLIT_BY, Conversation, dedupe_conversations, load_conversations, prompt_key,
+                               sharegpt_path, split_conversations)
 from data_prep.template import TemplateError, ensure_chat_template, tokenize_conversation
 from heads.checkpoint import atomic_dir, atomic_write_text
 from heads.target import cache_root
@@ -38,8 +39,10 @@ class DataConfig:
     source: str = "sharegpt"  # sharegpt (the embedded package) | file (a local JSON/JSONL path)
     path: str | None = None  # file path when source=file
     max_conversations: int | None = None  # stop after this many usable conversations (None = all)
-    heldout_fraction: float = 0.02  # share of conversations (by id hash) kept out of training
-    split_seed: int = 0  # salt of the id hash used for the split
+    heldout_fraction: float = 0.02  # share of conversations (by split-key hash) kept out of training
+    split_seed: int = 0  # salt of the split-key hash
+    split_by: str = "prompt"  # prompt (normalized first user message: equal openers share a split) | id
+    dedupe: bool = True  # drop conversations equal to an earlier one (normalized text), after first_turn_only
     max_length: int = 2048  # tokens per example; longer ones are truncated or dropped
     truncation: str = "truncate"  # truncate | drop
     packing: bool = False  # concatenate examples into max_length blocks (per-document positions and masks)
@@ -157,12 +160,19 @@ def pack(cols: dict[str, list], max_length: int) -> dict[str, list]:
     return out
 
 
-def _questions_jsonl(convs: Sequence[Conversation]) -> str:
+HELDOUT_CATEGORY = "sharegpt-heldout"
+LEAKED_CATEGORY = "sharegpt-heldout-opener-in-train"  # only possible with split_by=id
+
+
+def _questions_jsonl(convs: Sequence[Conversation], train_openers: set[str] = frozenset()) -> str:
+    """Held-out user turns as MT-bench-format questions; a question whose opener also opens a training
+    conversation gets its own category, so every report shows its τ apart from the clean ones."""
     lines = []
     for c in convs:
         turns = [m["content"] for m in c.messages if m["role"] == "user"]
         system = next((m["content"] for m in c.messages if m["role"] == "system"), None)
-        rec = {"question_id": c.id, "category": "sharegpt-heldout", "turns": turns}
+        category = LEAKED_CATEGORY if prompt_key(c) in train_openers else HELDOUT_CATEGORY
+        rec = {"question_id": c.id, "category": category, "turns": turns}
         if system:
             rec["system"] = system
         lines.append(json.dumps(rec, ensure_ascii=False))
@@ -178,6 +188,8 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
         raise ValueError(f"data.truncation must be 'truncate' or 'drop', got {cfg.truncation!r}")
     if not 0.0 <= cfg.heldout_fraction < 1.0:
         raise ValueError(f"data.heldout_fraction must be in [0, 1), got {cfg.heldout_fraction}")
+    if cfg.split_by not in SPLIT_BY:
+        raise ValueError(f"data.split_by must be one of {list(SPLIT_BY)}, got {cfg.split_by!r}")
     ensure_chat_template(tokenizer, cfg.chat_template)
     key = cache_key(cfg, tokenizer)
     root = Path(cfg.cache_dir) if cfg.cache_dir else cache_root() / "data"
@@ -192,7 +204,16 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
     log.info("%s", load_stats.summary())
     if cfg.first_turn_only:
         convs = [_first_turn(c) for c in convs]
-    train_c, held_c = split_conversations(convs, cfg.heldout_fraction, cfg.split_seed)
+    n_dup = 0
+    if cfg.dedupe:
+        convs, n_dup = dedupe_conversations(convs)
+    train_c, held_c = split_conversations(convs, cfg.heldout_fraction, cfg.split_seed, by=cfg.split_by)
+    train_openers = {prompt_key(c) for c in train_c}
+    leaked = sum(prompt_key(c) in train_openers for c in held_c)  # 0 by construction with split_by=prompt
+    if leaked:
+        log.warning("%d of %d held-out conversations open with a prompt that is also in the training split "
+                    "(split_by=%s): held-out metrics on them measure memorization; split_by=prompt avoids it",
+                    leaked, len(held_c), cfg.split_by)
     t_load = time.perf_counter() - t0
     tr_cols, tr_counts = tokenize_all(train_c, tokenizer, cfg, "tokenize train")
     he_cols, he_counts = tokenize_all(held_c, tokenizer, cfg, "tokenize held-out")
@@ -209,7 +230,8 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
         "load": {"source": load_stats.source, "read": load_stats.read, "kept": load_stats.kept,
                  "skipped": dict(load_stats.skipped), "fixed": dict(getattr(load_stats, "fixed", {}) or {}),
                  "truncated_tail": load_stats.truncated_tail},
-        "split": {"train_conversations": len(train_c), "heldout_conversations": len(held_c)},
+        "split": {"by": cfg.split_by, "train_conversations": len(train_c), "heldout_conversations": len(held_c),
+                  "duplicates_dropped": n_dup, "heldout_openers_in_train": leaked},
         "train": tr_counts, "heldout": he_counts,
         "rows": {"train": len(tr_cols["input_ids"]), "heldout": len(he_cols["input_ids"])},
         "seconds": {"load": round(t_load, 2), "total": round(elapsed, 2)},
@@ -218,7 +240,7 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
     with atomic_dir(final) as tmp:
         datasets.Dataset.from_dict(tr_cols).save_to_disk(str(tmp / "train"))
         datasets.Dataset.from_dict(he_cols).save_to_disk(str(tmp / "heldout"))
-        (tmp / "heldout_questions.jsonl").write_text(_questions_jsonl(held_c))
+        (tmp / "heldout_questions.jsonl").write_text(_questions_jsonl(held_c, train_openers))
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
     log.info("prepared data in %s: %s", final, json.dumps(stats["rows"]))
     return _load(final)

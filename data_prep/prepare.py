@@ -1,6 +1,6 @@
 """Prepare a dataset for a target: python data_prep/prepare.py [data=...] [target=...]
 
-Loads conversations, normalizes roles, splits train/held-out by conversation id, tokenizes with the
+Loads conversations, normalizes roles, drops repeats, splits train/held-out by opener (or id), tokenizes with the
 target's chat template and assistant-only loss masks, and caches the result as Arrow. Training and
 eval call the same ``prepare_data`` and hit the cache, so running this first is optional — it is
 where you see the counts (read / kept / skipped by reason, truncated, tokens) before training.

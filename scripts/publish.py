@@ -119,7 +119,8 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
     if run_cfg:
         d, t, o = run_cfg.get("data", {}), run_cfg.get("train", {}), run_cfg.get("optim", {})
         L += [f"- source: `{d.get('source')}`, max conversations: {d.get('max_conversations')}, "
-              f"max length: {d.get('max_length')}, held-out fraction: {d.get('heldout_fraction')}", "",
+              f"max length: {d.get('max_length')}, held-out fraction: {d.get('heldout_fraction')} "
+              f"(split by {d.get('split_by', 'id')}, deduplicated: {d.get('dedupe', False)})", "",
               "## Training config", "",
               f"- steps {t.get('max_steps')}, micro-batch {t.get('batch_size')} × accumulation {t.get('grad_accum')}, "
               f"precision {t.get('mixed_precision')}, seed {t.get('seed')}",

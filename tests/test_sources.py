@@ -13,9 +13,12 @@ from data_prep.sources import (
     Conversation,
     DataError,
     LoadStats,
+    conversation_key,
+    dedupe_conversations,
     iter_records,
     load_conversations,
     normalize_record,
+    prompt_key,
     sharegpt_path,
     split_conversations,
 )
@@ -394,26 +397,26 @@ def _convs(ids):
 
 def test_split_deterministic_and_order_independent():
     ids = [f"conv-{i}" for i in range(2000)]
-    tr, ho = split_conversations(_convs(ids), 0.1, seed=0)
+    tr, ho = split_conversations(_convs(ids), 0.1, seed=0, by="id")
     assert len(tr) + len(ho) == 2000
     assert 150 <= len(ho) <= 250  # ~200 expected (binomial sd ~13)
     held = {c.id for c in ho}
     # reversed order, and a subset: the same ids land in the same split
-    tr2, ho2 = split_conversations(_convs(ids[::-1]), 0.1, seed=0)
+    tr2, ho2 = split_conversations(_convs(ids[::-1]), 0.1, seed=0, by="id")
     assert {c.id for c in ho2} == held
     subset = ids[::7]
-    _, ho3 = split_conversations(_convs(subset), 0.1, seed=0)
+    _, ho3 = split_conversations(_convs(subset), 0.1, seed=0, by="id")
     assert {c.id for c in ho3} == held & set(subset)
     # order preserved within each part
     assert [c.id for c in tr] == [i for i in ids if i not in held]
     # another seed gives another split
-    _, ho4 = split_conversations(_convs(ids), 0.1, seed=1)
+    _, ho4 = split_conversations(_convs(ids), 0.1, seed=1, by="id")
     assert {c.id for c in ho4} != held
 
 
 def test_split_duplicates_and_edges():
     ids = [f"x{i}" for i in range(300)]
-    tr, ho = split_conversations(_convs(ids + ids), 0.5, seed=3)
+    tr, ho = split_conversations(_convs(ids + ids), 0.5, seed=3, by="id")
     assert len(tr) + len(ho) == 600
     for part in (tr, ho):
         names = [c.id for c in part]
@@ -422,6 +425,45 @@ def test_split_duplicates_and_edges():
     assert split_conversations(_convs(ids), 1.0)[0] == []
     with pytest.raises(ValueError):
         split_conversations(_convs(ids), 1.5)
+
+
+def _chat(cid, *turns):
+    roles = ["user", "assistant"]
+    return Conversation(id=cid, messages=[{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)])
+
+
+def test_split_by_prompt_keeps_equal_openers_together():
+    """ShareGPT repeats openers under different ids ("continue" ~40x in 1.2k distilled chats); a held-out
+    "continue" whose answer was trained on inflated held-out τ. Keyed on the normalized opener, every copy
+    (any id, case or spacing) lands on one side, for every seed."""
+    variants = ["continue", "Continue", "  continue\n", "CONTINUE"]
+    convs = [_chat(f"c{i}-{j}", v, f"answer {i} {j}") for i in range(50) for j, v in enumerate(variants)]
+    convs += [_chat(f"u{i}", f"question number {i}", "a") for i in range(400)]
+    for seed in range(20):
+        tr, ho = split_conversations(convs, 0.3, seed=seed)
+        assert len(tr) + len(ho) == len(convs)
+        sides = {c.id.startswith("c") for c in ho}, {c.id.startswith("c") for c in tr}
+        assert not (True in sides[0] and True in sides[1]), f"seed {seed}: 'continue' straddles the split"
+        assert {prompt_key(c) for c in tr}.isdisjoint({prompt_key(c) for c in ho})
+    # distinct openers still split at about the requested rate
+    _, ho = split_conversations(convs[200:], 0.3, seed=0)
+    assert 90 <= len(ho) <= 150  # ~120 expected (binomial sd ~9)
+    # the prompt key ignores later turns, the id and whitespace/case, but not the words
+    assert prompt_key(_chat("a", "Hello  World", "x")) == prompt_key(_chat("b", "hello world", "y", "more", "z"))
+    assert prompt_key(_chat("a", "hello world", "x")) != prompt_key(_chat("a", "hello there", "x"))
+    with pytest.raises(ValueError, match="split key"):
+        split_conversations(convs, 0.1, by="title")
+
+
+def test_dedupe_drops_normalized_repeats_and_keeps_the_first():
+    convs = [_chat("a", "Hi", "Hello!"), _chat("b", "hi ", "hello!"), _chat("c", "hi", "Hello! How can I help?"),
+             _chat("d", "hi", "hello!", "more", "x"), _chat("e", "HI", "HELLO!")]
+    kept, dropped = dedupe_conversations(convs)
+    assert [c.id for c in kept] == ["a", "c", "d"] and dropped == 2
+    assert conversation_key(convs[0]) == conversation_key(convs[1])
+    # a role change is a different conversation
+    swapped = Conversation("f", [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hello!"}])
+    assert conversation_key(swapped) != conversation_key(convs[0])
 
 
 # --------------------------------------------------------------------------- embedded ShareGPT
