@@ -6,7 +6,9 @@ Heads learn the target's *own* distribution best: a draft trained on the target'
 what the target will actually say at eval time. Output is a JSONL of ``{"id", "messages", "distill"}``
 records that ``data=file data.path=...`` trains on. The job is resumable: records are appended one
 line per conversation and flushed per batch; a rerun skips ids already written and repairs a last
-line cut off by a killed job. Only training-split conversations are used (held-out ids never leak).
+line cut off by a killed job. Only training-split conversations are used (held-out prompts never leak), and a
+greedy run distills each prompt once (a repeated prompt, e.g. ShareGPT's many "continue" openers, would get the
+same answer again).
 """
 
 from __future__ import annotations
@@ -24,33 +26,42 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from data_prep.dataset import DataConfig
-from data_prep.sources import Conversation, load_conversations, split_conversations
+from data_prep.sources import Conversation, conversation_key, load_conversations, split_conversations
 from data_prep.template import ensure_chat_template, prompt_ids
 from heads.target import load_target
 
 log = logging.getLogger(__name__)
 
 
-def read_done(path: Path) -> set[str]:
-    """Ids already distilled; truncates a partially written last line (killed job) in place."""
+def prompt_signature(system: list[dict], users: list[str]) -> str:
+    """Normalized system prompt + user turns: greedy distillation answers equal signatures identically."""
+    return conversation_key(Conversation("", list(system) + [{"role": "user", "content": u} for u in users]))
+
+
+def read_done(path: Path) -> tuple[set[str], set[str]]:
+    """Ids and prompt signatures already distilled; truncates a partially written last line (killed job)."""
     if not path.is_file():
-        return set()
+        return set(), set()
     done: set[str] = set()
+    sigs: set[str] = set()
     good_bytes = 0
     with open(path, "rb") as f:
         for line in f:
             try:
                 rec = json.loads(line)
                 done.add(rec["id"])
+                msgs = rec.get("messages") or []
+                sigs.add(prompt_signature([m for m in msgs[:1] if m.get("role") == "system"],
+                                          [m.get("content", "") for m in msgs if m.get("role") == "user"]))
                 good_bytes += len(line)
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError, AttributeError, TypeError):
                 break  # only the last line can be partial: everything before it was flushed whole
     if good_bytes != path.stat().st_size:
         log.warning("%s: dropping a partially written last record (%d bytes)", path,
                     path.stat().st_size - good_bytes)
         with open(path, "r+b") as f:
             f.truncate(good_bytes)
-    return done
+    return done, sigs
 
 
 def _user_turns(c: Conversation) -> tuple[list[dict], list[str]]:
@@ -94,13 +105,14 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"turns must be 'first' or 'all', got {cfg.turns!r}")
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = read_done(out)
+    done, seen = read_done(out)
     convs, stats = load_conversations(dcfg.source, dcfg.path, None if cfg.num_conversations is None else
                                       int(cfg.num_conversations) * 2 + 100, on_error=dcfg.on_error)
-    train, _ = split_conversations(convs, dcfg.heldout_fraction, dcfg.split_seed)
+    train, _ = split_conversations(convs, dcfg.heldout_fraction, dcfg.split_seed, by=dcfg.split_by)
     tok = target.tokenizer
     todo: list[tuple[Conversation, list[dict], list[str]]] = []
-    skipped_long = 0
+    skipped_long = skipped_dup = 0
+    greedy = float(cfg.temperature) <= 0
     for c in train:
         if cfg.num_conversations is not None and len(todo) + len(done) >= int(cfg.num_conversations):
             break
@@ -110,11 +122,18 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         if len(prompt_ids(tok, system + [{"role": "user", "content": users[0]}])) > int(cfg.max_prompt_tokens):
             skipped_long += 1
             continue
-        if c.id not in done:
-            todo.append((c, system, users if cfg.turns == "all" else users[:1]))
+        if c.id in done:
+            continue
+        ask = users if cfg.turns == "all" else users[:1]
+        sig = prompt_signature(system, ask)
+        if greedy and sig in seen:  # the same prompt would get the same answer: a duplicate, not data
+            skipped_dup += 1
+            continue
+        seen.add(sig)
+        todo.append((c, system, ask))
     todo.sort(key=lambda x: len(x[2][0]))  # similar prompt lengths per batch: less padding
-    log.info("self-distillation: %d done, %d to do, %d skipped (prompt > %d tokens)", len(done), len(todo),
-             skipped_long, cfg.max_prompt_tokens)
+    log.info("self-distillation: %d done, %d to do, %d skipped (prompt > %d tokens), %d skipped (greedy, "
+             "prompt already distilled)", len(done), len(todo), skipped_long, cfg.max_prompt_tokens, skipped_dup)
     # ---- loop
     t0, new_tokens, written = time.perf_counter(), 0, 0
     bar = tqdm(total=len(todo), desc="distill", unit="conv", mininterval=2.0)
@@ -156,6 +175,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     bar.close()
     elapsed = time.perf_counter() - t0
     summary = {"out": str(out), "written": written, "already_done": len(done), "skipped_long_prompt": skipped_long,
+               "skipped_duplicate_prompt": skipped_dup,
                "new_tokens": new_tokens, "seconds": round(elapsed, 1),
                "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1)}
     log.info("distill done: %s", json.dumps(summary))
