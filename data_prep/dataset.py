@@ -28,7 +28,7 @@ from heads.target import cache_root
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when the tokenization/masking code changes meaning
+CACHE_VERSION = 2  # bump when the tokenization/masking code changes meaning (2: held-out rows in hash order)
 
 
 @dataclass
@@ -107,6 +107,17 @@ def _first_turn(c: Conversation) -> Conversation:
         if m["role"] == "assistant" and seen_user:
             break
     return Conversation(c.id, msgs)
+
+
+def heldout_order(held: Sequence[Conversation]) -> list[Conversation]:
+    """Held-out conversations in a fixed pseudo-random order (hash of the id), not file order.
+
+    Every consumer reads a prefix of the held-out split: the trainer's simulated τ (first ``sim_tau_examples``
+    rows), its held-out metrics (first ``eval_tokens`` tokens), eval's ``max_questions``. Source files are often
+    sorted (the distill job writes batches by prompt length), so a file-order prefix would score only the
+    shortest prompts; a hash order makes every prefix a sample of the whole split, stable as data grows.
+    """
+    return sorted(held, key=lambda c: hashlib.sha256(f"heldout-order:{c.id}".encode("utf-8", "surrogatepass")).digest())
 
 
 def tokenize_all(convs: Sequence[Conversation], tokenizer: Any, cfg: DataConfig, desc: str,
@@ -208,6 +219,7 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
     if cfg.dedupe:
         convs, n_dup = dedupe_conversations(convs)
     train_c, held_c = split_conversations(convs, cfg.heldout_fraction, cfg.split_seed, by=cfg.split_by)
+    held_c = heldout_order(held_c)
     train_openers = {prompt_key(c) for c in train_c}
     leaked = sum(prompt_key(c) in train_openers for c in held_c)  # 0 by construction with split_by=prompt
     if leaked:

@@ -112,3 +112,29 @@ def test_prepared_distilled_data_dedupes_and_holds_out_whole_prompts(tmp_path, t
         cats = [json.loads(line)["category"] for line in d.heldout_questions.read_text().splitlines()]
         assert cats.count("sharegpt-heldout-opener-in-train") == st["heldout_openers_in_train"]  # reported apart
     assert sum(leaks) > 0
+
+
+def test_heldout_rows_come_in_hash_order_whatever_the_file_order(tmp_path, tiny_target_dir):
+    """The distill job writes batches sorted by prompt length; the trainer's simulated τ (first rows) and eval's
+    max_questions read a prefix of the held-out split. That prefix must sample the split, not its shortest prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    # file order = prompt order (r0 first), as a distill job's length-sorted batches would give
+    recs = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i:03d}"},
+                                         {"role": "assistant", "content": f"answer {i}"}]} for i in range(120)]
+    orders = {}
+    for name, rs in (("sorted", recs), ("reversed", recs[::-1])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rs))
+        cfg = compose("distill", ["data=distilled", f"data.path={path}", "data.max_length=256",
+                                  "data.heldout_fraction=0.3", f"data.cache_dir={tmp_path / 'cache'}"]).data
+        d = prepare_data(cfg, tok)
+        qids = [json.loads(line)["question_id"] for line in d.heldout_questions.read_text().splitlines()]
+        assert list(d.heldout["id"]) == qids  # rows and questions share the order
+        orders[name] = qids
+    assert orders["sorted"] == orders["reversed"] and len(orders["sorted"]) >= 20
+    lengths = [int(q[1:]) for q in orders["sorted"]]
+    assert lengths != sorted(lengths) and lengths != sorted(lengths, reverse=True)
+    first = lengths[: len(lengths) // 4]  # a prefix spans the split, not one end of it
+    assert min(first) < 40 and max(first) > 80
