@@ -28,7 +28,7 @@ from heads.target import cache_root
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when the tokenization/masking code changes meaning (2: held-out rows in hash order)
+CACHE_VERSION = 2  # bump when tokenization/masking/splitting changes meaning (2: held-out rows in hash order)
 
 
 @dataclass
@@ -109,17 +109,6 @@ def _first_turn(c: Conversation) -> Conversation:
     return Conversation(c.id, msgs)
 
 
-def heldout_order(held: Sequence[Conversation]) -> list[Conversation]:
-    """Held-out conversations in a fixed pseudo-random order (hash of the id), not file order.
-
-    Every consumer reads a prefix of the held-out split: the trainer's simulated τ (first ``sim_tau_examples``
-    rows), its held-out metrics (first ``eval_tokens`` tokens), eval's ``max_questions``. Source files are often
-    sorted (the distill job writes batches by prompt length), so a file-order prefix would score only the
-    shortest prompts; a hash order makes every prefix a sample of the whole split, stable as data grows.
-    """
-    return sorted(held, key=lambda c: hashlib.sha256(f"heldout-order:{c.id}".encode("utf-8", "surrogatepass")).digest())
-
-
 def tokenize_all(convs: Sequence[Conversation], tokenizer: Any, cfg: DataConfig, desc: str,
                  ) -> tuple[dict[str, list], dict[str, int]]:
     """Tokenize conversations; returns columns and counted drop reasons."""
@@ -175,14 +164,15 @@ HELDOUT_CATEGORY = "sharegpt-heldout"
 LEAKED_CATEGORY = "sharegpt-heldout-opener-in-train"  # only possible with split_by=id
 
 
-def _questions_jsonl(convs: Sequence[Conversation], train_openers: set[str] = frozenset()) -> str:
+def _questions_jsonl(convs: Sequence[Conversation], opener_in_train: Sequence[bool]) -> str:
     """Held-out user turns as MT-bench-format questions; a question whose opener also opens a training
     conversation gets its own category, so every report shows its τ apart from the clean ones."""
+    assert len(opener_in_train) == len(convs)
     lines = []
-    for c in convs:
+    for c, leaked in zip(convs, opener_in_train):
         turns = [m["content"] for m in c.messages if m["role"] == "user"]
         system = next((m["content"] for m in c.messages if m["role"] == "system"), None)
-        category = LEAKED_CATEGORY if prompt_key(c) in train_openers else HELDOUT_CATEGORY
+        category = LEAKED_CATEGORY if leaked else HELDOUT_CATEGORY
         rec = {"question_id": c.id, "category": category, "turns": turns}
         if system:
             rec["system"] = system
@@ -219,9 +209,9 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
     if cfg.dedupe:
         convs, n_dup = dedupe_conversations(convs)
     train_c, held_c = split_conversations(convs, cfg.heldout_fraction, cfg.split_seed, by=cfg.split_by)
-    held_c = heldout_order(held_c)
     train_openers = {prompt_key(c) for c in train_c}
-    leaked = sum(prompt_key(c) in train_openers for c in held_c)  # 0 by construction with split_by=prompt
+    opener_in_train = [prompt_key(c) in train_openers for c in held_c]  # all False by construction with split_by=prompt
+    leaked = sum(opener_in_train)
     if leaked:
         log.warning("%d of %d held-out conversations open with a prompt that is also in the training split "
                     "(split_by=%s): held-out metrics on them measure memorization; split_by=prompt avoids it",
@@ -252,7 +242,7 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
     with atomic_dir(final) as tmp:
         datasets.Dataset.from_dict(tr_cols).save_to_disk(str(tmp / "train"))
         datasets.Dataset.from_dict(he_cols).save_to_disk(str(tmp / "heldout"))
-        (tmp / "heldout_questions.jsonl").write_text(_questions_jsonl(held_c, train_openers))
+        (tmp / "heldout_questions.jsonl").write_text(_questions_jsonl(held_c, opener_in_train))
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
     log.info("prepared data in %s: %s", final, json.dumps(stats["rows"]))
     return _load(final)

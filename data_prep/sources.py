@@ -871,7 +871,10 @@ def split_conversations(convs: Iterable[Conversation], heldout_fraction: float,
     same text (any id, case or spacing) share a split; ``by="id"`` keys on the conversation id (ids shared
     by several conversations land together). A conversation is held out iff ``sha256(f"{seed}:{key}")``
     mapped to [0, 1) is below ``heldout_fraction``, so membership does not depend on order or on which
-    other conversations are present. Input order is preserved within each part.
+    other conversations are present. The training part keeps input order; the held-out part comes in a fixed
+    hash order of ids, because its consumers read prefixes (the trainer's simulated τ and held-out metrics,
+    eval's ``max_questions``) and source files are often sorted (the distill job writes batches by prompt
+    length), so an input-order prefix would be the shortest prompts rather than a sample of the split.
     """
     if not 0.0 <= heldout_fraction <= 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1], got {heldout_fraction}")
@@ -892,4 +895,5 @@ def split_conversations(convs: Iterable[Conversation], heldout_fraction: float,
                     "they land in the same split", dups, by)
     logger.info("split_conversations: %d train / %d held out (fraction %.3f, seed %d, by %s)",
                 len(train), len(held), heldout_fraction, seed, by)
+    held.sort(key=lambda c: hashlib.sha256(f"heldout-order:{c.id}".encode("utf-8", "surrogatepass")).digest())
     return train, held

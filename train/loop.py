@@ -871,7 +871,7 @@ class Trainer:
     @torch.no_grad()
     def simulated_tau(self) -> dict[str, float]:
         """Teacher-forced τ on the first ``train.sim_tau_examples`` held-out sequences (cheap, every eval; the
-        prepared held-out split is in hash order, so the first rows are a sample of it).
+        held-out split comes in hash order (split_conversations), so the first rows are a sample of it).
 
         What it simulates: greedy speculative decoding with the draft's chain (top-1 at every depth) and,
         if the objective names one, its static tree. At a held-out position t whose next D+1 tokens are the
