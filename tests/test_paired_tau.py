@@ -1,0 +1,55 @@
+"""scripts/paired_tau.py: paired bootstrap of target forwards between two measure runs (toy results files)."""
+
+import json
+
+import pytest
+
+from scripts.paired_tau import compare, paired_bootstrap
+
+
+def _write(path, method, steps, tokens=32):
+    rows = [{"method": "plain", "setting": "greedy", "question_id": i, "turn": 0, "steps": tokens,
+             "accepted_total": 0, "new_tokens": tokens} for i in range(len(steps))]
+    rows += [{"method": method, "setting": "greedy", "question_id": i, "turn": 0, "steps": s,
+              "accepted_total": tokens - s, "new_tokens": tokens} for i, s in enumerate(steps)]
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps({"rows": rows}))
+    return path
+
+
+def test_a_consistent_saving_is_ahead_and_noise_is_not(tmp_path):
+    base = [20, 18, 22, 19, 21, 20, 17, 23, 20, 19]
+    a = _write(tmp_path / "a", "eagle", base)
+    b = _write(tmp_path / "b", "eagle3", [s - 2 for s in base])
+    res = compare(f"{a}:eagle", f"{b}:eagle3", boot=2000)
+    assert res["saved"] == 20 and res["forwards_a"] - res["forwards_b"] == 20
+    assert res["ci95"] == [20, 20] and res["verdict"] == "b ahead"
+    assert res["tau_a"] == pytest.approx(320 / sum(base)) and res["tau_b"] == pytest.approx(320 / (sum(base) - 20))
+    # +3 on half the prompts, -3 on the other half: a zero-mean difference stays within noise
+    c = _write(tmp_path / "c", "eagle3", [s + (3 if i % 2 else -3) for i, s in enumerate(base)])
+    res = compare(f"{a}:eagle", f"{c}:eagle3", boot=2000)
+    assert res["saved"] == 0 and res["ci95"][0] < 0 < res["ci95"][1] and res["verdict"] == "within noise"
+    assert res["prompts_b_better"] == 5 and res["prompts_b_worse"] == 5
+    # reversed roles: a is ahead
+    assert compare(f"{b}:eagle3", f"{a}:eagle", boot=2000)["verdict"] == "a ahead"
+
+
+def test_bootstrap_interval_contains_the_observed_sum():
+    a = [10, 12, 9, 15, 11, 13, 10, 14]
+    b = [9, 13, 9, 12, 11, 10, 11, 12]
+    res = paired_bootstrap(a, b, boot=4000, seed=1)
+    assert res["saved"] == sum(a) - sum(b) == 7
+    assert res["ci95"][0] <= 7 <= res["ci95"][1]
+
+
+def test_bad_inputs_name_the_problem(tmp_path):
+    a = _write(tmp_path / "a", "eagle", [20, 20])
+    b = _write(tmp_path / "b", "eagle3", [18, 18], tokens=30)
+    with pytest.raises(ValueError, match="emitted 32 tokens"):
+        compare(f"{a}:eagle", f"{b}:eagle3")
+    with pytest.raises(ValueError, match=r"no rows for method 'medusa'; it has \['eagle', 'plain'\]"):
+        compare(f"{a}:medusa", f"{b}:eagle3")
+    with pytest.raises(ValueError, match="RUN:METHOD"):
+        compare(str(a), f"{b}:eagle3")
+    with pytest.raises(ValueError, match="no results.json"):
+        compare(f"{tmp_path / 'missing'}:eagle", f"{b}:eagle3")
