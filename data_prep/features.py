@@ -41,14 +41,13 @@ from tqdm.auto import tqdm
 
 from data_prep.dataset import PreparedData, collate, model_inputs, prepare_data
 from heads.checkpoint import atomic_write_text
-from heads.target import FrozenTarget, check_identity, load_target, parse_dtype
+from heads.target import DTYPE_NAMES, FrozenTarget, check_identity, load_target, parse_dtype
 
 log = logging.getLogger(__name__)
 
 FORMAT = "draftheads-features"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def hidden_key(layer: int) -> str:

@@ -26,7 +26,7 @@ from eval.drafters import build_drafter
 from eval.generate import GenResult, NoDrafter, generate
 from eval.questions import load_questions
 from heads.checkpoint import atomic_write_text
-from heads.target import load_target, parse_dtype
+from heads.target import dtype_name, load_target
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     summary = summarize(rows, max_depth)
     # ---- save
     result = {"drafter": desc, "questions": str(qfile), "num_questions": len(questions), "mode": cfg.mode,
-              "dtype": cfg.target.dtype, "max_new_tokens": int(cfg.max_new_tokens), "summary": summary,
+              "dtype": dtype_name(target.dtype), "max_new_tokens": int(cfg.max_new_tokens), "summary": summary,
               "target": target.identity.to_dict(), "rows": rows}
     if plain_summary is not None:
         div = [r["first_divergence"] for r in rows]
@@ -144,7 +144,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                                       "first_divergence": [d for d in div if d is not None]}
     out = Path(cfg.out)
     atomic_write_text(out, json.dumps(result, indent=2))
-    title = f"{desc['drafter']} on {qfile.name} ({cfg.mode}, {cfg.target.dtype})"
+    title = f"{desc['drafter']} on {qfile.name} ({cfg.mode}, {dtype_name(target.dtype)})"
     print(format_table(summary, title))
     if plain_summary is not None:
         gi = result["greedy_identical"]

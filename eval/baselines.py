@@ -22,7 +22,7 @@ from torch import nn
 
 from eval.generate import DraftTree, crop_cache
 from eval.verify import apply_sampling
-from heads.target import FrozenTarget, TargetConfig, load_target
+from heads.target import FrozenTarget, TargetConfig, dtype_name, load_target
 
 SELF_PREFIX = "self:"  # draft_model=self:<n>: the target's own first n layers (+ final norm and lm_head)
 
@@ -226,8 +226,7 @@ def load_draft_model(spec: str, target: FrozenTarget, dtype: torch.dtype, local_
         except ValueError:
             raise ValueError(f"draft_model={spec!r}: expected self:<number of layers>") from None
         return truncated_target(target, n)
-    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    draft = load_target(TargetConfig(name=spec, dtype=dtype_name, local_files_only=local_files_only), target.device)
+    draft = load_target(TargetConfig(name=spec, dtype=dtype_name(dtype), local_files_only=local_files_only), target.device)
     check_same_tokenizer(draft.tokenizer, target.tokenizer, spec)
     return draft.model
 

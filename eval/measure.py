@@ -47,7 +47,7 @@ from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tree_forward
 from eval.questions import load_questions
 from heads.checkpoint import atomic_write_text
-from heads.target import FrozenTarget, load_target
+from heads.target import FrozenTarget, dtype_name, load_target
 
 log = logging.getLogger(__name__)
 
@@ -535,7 +535,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     sweep = run_sweep(methods, target, questions, cfg, profile, shared)
 
     result = {
-        "target": target.identity.to_dict(), "dtype": str(cfg.target.dtype), "device": str(target.device),
+        "target": target.identity.to_dict(), "dtype": dtype_name(target.dtype), "device": str(target.device),
         "load_average": {"start": load_start, "end": _loadavg()},  # other jobs on the machine skew wall clock
         "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "questions": str(qfile), "num_questions": len(questions), "max_turns": int(cfg.max_turns),

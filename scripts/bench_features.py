@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from data_prep.dataset import collate, model_inputs, prepare_data  # noqa: E402
 from data_prep.features import main as features_main, resolve_layers, shard_batches  # noqa: E402
 from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.target import load_target, parse_dtype  # noqa: E402
+from heads.target import dtype_name, load_target, parse_dtype  # noqa: E402
 
 
 def compose(name: str, overrides: list[str]):
@@ -184,7 +184,7 @@ def main() -> None:
     offline = train_run(tr + [f"features.dir={work / 'features'}"], work / "offline")
     diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(online["losses"], offline["losses"])]
     result = {
-        "target": manifest["target"]["name"], "target_dtype": fcfg.target.dtype, "device": "cpu",
+        "target": manifest["target"]["name"], "target_dtype": dtype_name(parse_dtype(fcfg.target.dtype)), "device": "cpu",
         "torch_threads": torch.get_num_threads(), "layers": layers, "cache_dtype": manifest["dtype"],
         "rows": manifest["data"]["rows"], "tokens": manifest["data"]["tokens"],
         "capture": {

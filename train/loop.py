@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from heads.checkpoint import atomic_dir, atomic_write_text
+from heads.target import bf16_is_fast
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,16 @@ def _fill_deepspeed_config(acc: Any, cfg: Any) -> None:
     ds.setdefault("steps_per_print", 10 ** 9)
 
 
+def resolve_mixed_precision(mp: str, device: str | torch.device) -> str:
+    """train.mixed_precision with ``auto`` resolved: bf16 where the device computes it natively, else no
+    (fp32): on AVX2-only CPUs bf16 autocast is ~40x slower than fp32 (heads/target.py:bf16_is_fast)."""
+    if mp == "auto":
+        return "bf16" if bf16_is_fast(device) else "no"
+    if mp not in ("no", "bf16", "fp16"):
+        raise ValueError(f"train.mixed_precision must be auto, no, bf16 or fp16, got {mp!r}")
+    return mp
+
+
 def make_accelerator(cfg: Any):
     """An Accelerator for the configured device and precision and the launcher's topology.
 
@@ -276,9 +287,7 @@ def make_accelerator(cfg: Any):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"train.device must be auto, cpu or cuda, got {device!r}")
-    mp = t.mixed_precision
-    if mp not in ("no", "bf16", "fp16"):
-        raise ValueError(f"train.mixed_precision must be no, bf16 or fp16, got {mp!r}")
+    mp = resolve_mixed_precision(t.mixed_precision, device)
     kw: dict[str, Any] = dict(mixed_precision=mp, gradient_accumulation_steps=int(t.grad_accum))
     # accelerate keeps its state per process; a previous job in this process (a Hydra sweep, tests) must not
     # leak its precision, accumulation or plugins into this one. The process group (PartialState) stays.
@@ -645,7 +654,7 @@ class Trainer:
 
     def _autocast(self):
         """train.mixed_precision as torch.autocast in every mode (DeepSpeed keeps the draft fp32, see above)."""
-        mp = self.cfg.train.mixed_precision
+        mp = resolve_mixed_precision(self.cfg.train.mixed_precision, self.acc.device)
         if self.mode == "deepspeed" and mp != "no":
             return torch.autocast(device_type=self.acc.device.type, dtype=torch.bfloat16)
         return self.acc.autocast()
