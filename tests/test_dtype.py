@@ -62,3 +62,16 @@ def test_default_target_dtype_resolves_on_this_machine():
         cfg = compose(config_name="medusa")
     assert cfg.target.dtype == "auto" and cfg.train.mixed_precision == "auto"
     assert parse_dtype(cfg.target.dtype) == (torch.bfloat16 if bf16_is_fast() else torch.float32)
+
+
+def test_bench_dtype_writes_json_with_both_dtypes(tmp_path):
+    import json
+
+    from scripts import bench_dtype
+
+    out = tmp_path / "dtype.json"
+    res = bench_dtype.main(["--tokens", "64", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert set(res["matmul_gflops"]) == {"fp32", "bf16"} and all(v > 0 for v in res["matmul_gflops"].values())
+    assert res["auto_picks"] == ("bf16" if bf16_is_fast() else "fp32")
+    assert res["bf16_speedup"] == pytest.approx(res["matmul_gflops"]["bf16"] / res["matmul_gflops"]["fp32"], rel=1e-2)
