@@ -25,6 +25,7 @@ from data_prep.template import ensure_chat_template, prompt_ids
 from eval.drafters import build_drafter
 from eval.generate import GenResult, NoDrafter, generate
 from eval.questions import load_questions
+from eval.tau import tau_value
 from heads.checkpoint import atomic_write_text
 from heads.target import dtype_name, load_target
 
@@ -46,7 +47,7 @@ def summarize(rows: list[dict[str, Any]], max_depth: int) -> dict[str, Any]:
         acc = sum(sum(r["accepted"]) for r in rs)
         new = sum(r["new_tokens"] for r in rs)
         secs = sum(r["seconds"] for r in rs)
-        return {"tau": round((acc + steps) / max(1, steps), 4), "steps": steps, "new_tokens": new,
+        return {"tau": round(tau_value(acc, steps), 4), "steps": steps, "new_tokens": new,
                 "tokens_per_s": round(new / max(secs, 1e-9), 2), "turns": len(rs)}
     out = agg(rows)
     cats = defaultdict(list)

@@ -48,6 +48,7 @@ from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tr
 from eval.questions import load_questions
 from heads.checkpoint import atomic_write_text
 from heads.target import FrozenTarget, dtype_name, load_target
+from eval.tau import tau
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +366,6 @@ def depth_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def aggregate(rows: list[dict[str, Any]], t1_ms: float | None = None) -> dict[str, Any]:
     """τ, throughput and the per-step time split of a set of turns."""
     steps = sum(r["steps"] for r in rows)
-    acc = sum(r["accepted_total"] for r in rows)
     new = sum(r["new_tokens"] for r in rows)
     secs = sum(r["seconds"] for r in rows)
     pre = sum(r["prefill_seconds"] for r in rows)
@@ -374,7 +374,7 @@ def aggregate(rows: list[dict[str, Any]], t1_ms: float | None = None) -> dict[st
     book = secs - pre - tgt - drf
     per = lambda x: round(1000 * x / max(1, steps), 3)  # noqa: E731 - ms per verification step
     out = {"turns": len(rows), "steps": steps, "new_tokens": new, "seconds": round(secs, 3),
-           "tau": round((acc + steps) / max(1, steps), 4), "tokens_per_s": round(new / max(secs, 1e-9), 3),
+           "tau": round(tau(rows), 4), "tokens_per_s": round(new / max(secs, 1e-9), 3),
            "decode_tokens_per_s": round(max(0, new - len(rows)) / max(secs - pre, 1e-9), 3),
            "target_ms_per_step": per(tgt), "draft_ms_per_step": per(drf), "bookkeeping_ms_per_step": per(book),
            "prefill_s": round(pre, 3)}

@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eval.tau import tau  # noqa: E402
+
 
 def load_rows(spec: str) -> tuple[str, dict[tuple, dict[str, Any]]]:
     """``RUN:METHOD`` -> (label, {(setting, question_id, turn): row})."""
@@ -63,8 +66,7 @@ def compare(spec_a: str, spec_b: str, boot: int = 10000, seed: int = 0) -> dict[
     fb = [rb[k]["steps"] for k in keys]
     tokens = sum(ra[k]["new_tokens"] for k in keys)
     out = {"a": la, "b": lb, "rows": len(keys), "tokens": tokens, "forwards_a": sum(fa), "forwards_b": sum(fb),
-           "tau_a": sum(ra[k]["accepted_total"] + ra[k]["steps"] for k in keys) / sum(fa),
-           "tau_b": sum(rb[k]["accepted_total"] + rb[k]["steps"] for k in keys) / sum(fb)}
+           "tau_a": tau(ra[k] for k in keys), "tau_b": tau(rb[k] for k in keys)}
     out.update(paired_bootstrap(fa, fb, boot, seed))
     lo, hi = out["ci95"]
     out["verdict"] = "b ahead" if lo > 0 else "a ahead" if hi < 0 else "within noise"

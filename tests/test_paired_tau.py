@@ -53,3 +53,11 @@ def test_bad_inputs_name_the_problem(tmp_path):
         compare(str(a), f"{b}:eagle3")
     with pytest.raises(ValueError, match="no results.json"):
         compare(f"{tmp_path / 'missing'}:eagle", f"{b}:eagle3")
+
+
+def test_tau_definition_shared_by_measure_and_paired_tau():
+    from eval.tau import tau, tau_value
+
+    rows = [{"steps": 10, "accepted_total": 5}, {"steps": 6, "accepted_total": 3}]
+    assert tau(rows) == pytest.approx(24 / 16) == tau_value(8, 16)
+    assert tau([]) == 0.0 == tau_value(0, 0)  # nothing measured (as aggregate always reported)
