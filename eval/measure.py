@@ -48,7 +48,7 @@ from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tr
 from eval.questions import load_questions
 from heads.checkpoint import atomic_write_text
 from heads.target import FrozenTarget, dtype_name, load_target
-from eval.tau import tau
+from eval.tau import paired_forwards, tau
 
 log = logging.getLogger(__name__)
 
@@ -422,6 +422,15 @@ def greedy_identity(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) 
             "median_first_divergence": statistics.median(div) if div else None}
 
 
+def head_to_head(by: dict[str, list[dict[str, Any]]], names: list[str], seed: int = 0,
+                 boot: int = 10000) -> list[dict[str, Any]]:
+    """Every pair of heads measured together: B's target forwards saved over A on the same turns, with a
+    paired-bootstrap 95% interval over prompts (eval/tau.py) - is a τ lead more than prompt noise?"""
+    keyed = {n: {(r["question_id"], r["turn"]): r for r in by[n]} for n in names}
+    return [paired_forwards(keyed[a], keyed[b], a, b, boot, seed, strict=False)
+            for i, a in enumerate(names) for b in names[i + 1:]]
+
+
 def speedups(summ: dict[str, dict[str, Any]], ref: str) -> dict[str, Any]:
     """tokens/s of every method over ``ref``'s, overall and per category."""
     if ref not in summ:
@@ -528,6 +537,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                                  "speedup_vs_hf_prompt_lookup": speedups(summ, "hf_prompt_lookup")}
         if s.mode == "greedy":
             block["greedy_identical"] = {n: greedy_identity(rs, by["plain"]) for n, rs in by.items() if n != "plain"}
+            heads = [m.name for m in methods if m.checkpoint]
+            if len(heads) > 1:
+                block["head_to_head"] = head_to_head(by, heads, int(cfg.seed))
         per_setting[s.name] = block
         all_rows += rows
 

@@ -105,6 +105,14 @@ def markdown(result: dict[str, Any]) -> str:
                 L += ["First divergence from plain greedy (token index; expected in bf16, a bug in fp32): " +
                       "; ".join(f"{n}: median {g['median_first_divergence']} over {len(g['first_divergence'])} turns"
                                 for n, g in div.items()), ""]
+        h2h = block.get("head_to_head") or []
+        if h2h:
+            L += ["Head to head (target forwards on the same turns; B's saving over A with a 95% paired-bootstrap "
+                  "interval over prompts):", ""]
+            L += _table(["A", "B", "turns", "forwards A", "forwards B", "τ A", "τ B", "saved by B, 95% CI", "verdict"],
+                        [[p["a"], p["b"], p["rows"], p["forwards_a"], p["forwards_b"], _f(p["tau_a"], 3),
+                          _f(p["tau_b"], 3), f"{p['saved']:+d} [{p['ci95'][0]:+d}, {p['ci95'][1]:+d}]", p["verdict"]]
+                         for p in h2h]) + [""]
         rows = []
         for n, s in block["methods"].items():
             d = s["depth"]

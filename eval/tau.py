@@ -1,12 +1,18 @@
-"""τ, the field's headline number, in one place (no torch import: stats scripts use it too).
+"""τ, the field's headline number, and whether one draft's lead over another is more than prompt noise.
 
 τ = (accepted draft tokens + target forwards) / target forwards: each verification forward emits its accepted
 draft tokens plus the target's own next token, so plain decoding has τ = 1.
+
+Two drafts measured on the same 80 prompts often differ by a handful of target forwards out of ~1,400. Pairing
+each prompt's forwards across the two and resampling prompts (a paired bootstrap) gives a confidence interval
+for the difference, so a table can say "ahead" or "within noise" from numbers rather than by eye. No torch
+import: ``scripts/paired_tau.py`` uses this on stored results too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import random
+from typing import Any, Iterable, Mapping
 
 
 def tau_value(accepted: int, steps: int) -> float:
@@ -21,3 +27,53 @@ def tau(rows: Iterable[dict[str, Any]]) -> float:
         steps += r["steps"]
         accepted += r["accepted_total"]
     return tau_value(accepted, steps)
+
+
+def paired_bootstrap(a: list[int], b: list[int], boot: int = 10000, seed: int = 0) -> dict[str, Any]:
+    """Sum of per-prompt differences a - b (forwards saved by b) with a percentile 95% interval."""
+    assert len(a) == len(b) and a, "paired lists must be non-empty and of equal length"
+    d = [x - y for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    n = len(d)
+    sums = sorted(sum(d[rng.randrange(n)] for _ in range(n)) for _ in range(boot))
+    return {"saved": sum(d), "ci95": [sums[int(0.025 * boot)], sums[int(0.975 * boot) - 1]],
+            "prompts_b_better": sum(x > 0 for x in d), "prompts_b_worse": sum(x < 0 for x in d), "prompts": n}
+
+
+def paired_forwards(ra: Mapping[Any, dict[str, Any]], rb: Mapping[Any, dict[str, Any]], label_a: str, label_b: str,
+                    boot: int = 10000, seed: int = 0, strict: bool = True) -> dict[str, Any]:
+    """Target forwards of A and B on their common turns (dicts keyed alike, e.g. by (setting, question, turn)),
+    τ each, and B's saving over A with its paired-bootstrap interval and a verdict.
+
+    Forwards only compare at equal output length (true for greedy fp32 runs of one target, which are
+    token-identical): ``strict`` raises on a turn where the lengths differ, otherwise such turns are left out
+    and counted in ``unequal_turns_skipped``."""
+    keys = sorted(set(ra) & set(rb), key=str)
+    if not keys:
+        raise ValueError(f"{label_a} and {label_b} share no (setting, question, turn) rows")
+
+    def why_not(k: Any) -> str | None:
+        x, y = ra[k], rb[k]
+        if x.get("prompt_hash") and y.get("prompt_hash") and x["prompt_hash"] != y["prompt_hash"]:
+            return "their prompts differ (an earlier turn's answers diverged)"
+        if x["new_tokens"] != y["new_tokens"]:
+            return f"{label_a} emitted {x['new_tokens']} tokens, {label_b} {y['new_tokens']}"
+        return None
+
+    unequal = [k for k in keys if why_not(k)]
+    if unequal and strict:
+        k = unequal[0]
+        raise ValueError(f"row {k}: {why_not(k)}; forwards only compare at equal output length on the same prompt")
+    skip = set(unequal)
+    keys = [k for k in keys if k not in skip]
+    if not keys:
+        raise ValueError(f"{label_a} and {label_b}: no turn with equal output length on the same prompt to compare")
+    fa = [ra[k]["steps"] for k in keys]
+    fb = [rb[k]["steps"] for k in keys]
+    out = {"a": label_a, "b": label_b, "rows": len(keys), "unequal_turns_skipped": len(unequal),
+           "tokens": sum(ra[k]["new_tokens"] for k in keys), "forwards_a": sum(fa), "forwards_b": sum(fb),
+           "tau_a": tau(ra[k] for k in keys), "tau_b": tau(rb[k] for k in keys)}
+    out.update(paired_bootstrap(fa, fb, boot, seed))
+    lo, hi = out["ci95"]
+    out["verdict"] = "b ahead" if lo > 0 else "a ahead" if hi < 0 else "within noise"
+    return out

@@ -26,13 +26,13 @@ def _overrides(target_dir: Path, qfile: Path, out: Path, *extra: str) -> list[st
             "sweep.chain_sizes=[2,4]", "sweep.max_questions=2", "sweep.max_new_tokens=12", *extra]
 
 
-def _medusa_checkpoint(target_dir: Path, out: Path) -> Path:
+def _medusa_checkpoint(target_dir: Path, out: Path, num_heads: int = 2) -> Path:
     """An (untrained, identity-initialized) Medusa checkpoint for the tiny target: a 'trained head' input."""
     from heads.medusa import MedusaHeads, medusa_config_for
     from heads.target import load_target
 
     tgt = load_target({"name": str(target_dir), "dtype": "fp32", "local_files_only": True})
-    MedusaHeads(medusa_config_for(tgt, 2, 1, True), tgt.lm_head()).save_pretrained(out, tgt.identity)
+    MedusaHeads(medusa_config_for(tgt, num_heads, 1, True), tgt.lm_head()).save_pretrained(out, tgt.identity)
     return out
 
 
@@ -86,6 +86,31 @@ def test_measure_job_end_to_end(tiny_target_dir, tmp_path):
     assert "| method | τ | tokens/s | × plain |" in md and "Verification latency profile" in md
     assert "Speedup by tree size" in md and ("✔" in md or "✘" in md)
     assert res["settings"]["greedy"]["methods"]["plain"]["tau"] == 1.0
+
+
+def test_heads_measured_together_get_a_paired_head_to_head(tiny_target_dir, tmp_path):
+    """Every pair of checkpointed heads: forwards on the same turns, B's saving, a bootstrap interval, a verdict."""
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    two = _medusa_checkpoint(tiny_target_dir, tmp_path / "two", 2)
+    three = _medusa_checkpoint(tiny_target_dir, tmp_path / "three", 3)
+    out = tmp_path / "measure"
+    ov = _overrides(tiny_target_dir, qfile, out, f"+heads.m2={two}", f"+heads.m2again={two}", f"+heads.m3={three}")
+    ov = [o for o in ov if not o.startswith(("methods=", "temperatures="))]
+    res = main(compose("measure", ov + ["methods=[plain]", "temperatures=[]", "sweep.methods=[]"]))
+    g = res["settings"]["greedy"]
+    pairs = {(p["a"], p["b"]): p for p in g["head_to_head"]}
+    assert set(pairs) == {("m2", "m2again"), ("m2", "m3"), ("m2again", "m3")}
+    for (a, b), p in pairs.items():
+        assert p["rows"] == 4 and p["unequal_turns_skipped"] == 0  # greedy fp32: same tokens, same prompts
+        assert p["forwards_a"] == g["methods"][a]["steps"] and p["forwards_b"] == g["methods"][b]["steps"]
+        assert p["saved"] == p["forwards_a"] - p["forwards_b"]
+        assert p["ci95"][0] <= p["saved"] <= p["ci95"][1]
+        assert p["tau_a"] == pytest.approx(g["methods"][a]["tau"], abs=1e-4)
+    same = pairs[("m2", "m2again")]  # one checkpoint twice: deterministic, so no difference at all
+    assert same["saved"] == 0 and same["ci95"] == [0, 0] and same["verdict"] == "within noise"
+    md = (out / "report.md").read_text()
+    assert "Head to head" in md and "| m2 | m3 | 4 |" in md
 
 
 def test_measure_config_errors(tiny_target_dir, tmp_path):

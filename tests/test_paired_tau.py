@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from scripts.paired_tau import compare, paired_bootstrap
+from eval.tau import paired_bootstrap
+from scripts.paired_tau import compare
 
 
 def _write(path, method, steps, tokens=32):
