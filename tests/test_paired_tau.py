@@ -62,3 +62,16 @@ def test_tau_definition_shared_by_measure_and_paired_tau():
     rows = [{"steps": 10, "accepted_total": 5}, {"steps": 6, "accepted_total": 3}]
     assert tau(rows) == pytest.approx(24 / 16) == tau_value(8, 16)
     assert tau([]) == 0.0 == tau_value(0, 0)  # nothing measured (as aggregate always reported)
+
+
+def test_turns_on_different_prompts_are_refused_or_skipped():
+    from eval.tau import paired_forwards
+
+    ra = {(0, 0): {"steps": 10, "accepted_total": 6, "new_tokens": 16, "prompt_hash": "x"},
+          (0, 1): {"steps": 12, "accepted_total": 4, "new_tokens": 16, "prompt_hash": "y"}}
+    rb = {(0, 0): {"steps": 8, "accepted_total": 8, "new_tokens": 16, "prompt_hash": "x"},
+          (0, 1): {"steps": 9, "accepted_total": 7, "new_tokens": 16, "prompt_hash": "z"}}  # turn 1 diverged
+    with pytest.raises(ValueError, match=r"row \(0, 1\): their prompts differ"):
+        paired_forwards(ra, rb, "a", "b")
+    res = paired_forwards(ra, rb, "a", "b", boot=100, strict=False)
+    assert res["rows"] == 1 and res["unequal_turns_skipped"] == 1 and res["saved"] == 2
