@@ -14,6 +14,8 @@ from __future__ import annotations
 import random
 from typing import Any, Iterable, Mapping
 
+MIN_PROMPTS = 10  # fewer paired prompts than this: no verdict (a percentile bootstrap over 2-9 values says little)
+
 
 def tau_value(accepted: int, steps: int) -> float:
     """τ from totals: draft tokens accepted over ``steps`` target forwards (no forwards: 0, nothing measured)."""
@@ -75,5 +77,8 @@ def paired_forwards(ra: Mapping[Any, dict[str, Any]], rb: Mapping[Any, dict[str,
            "tau_a": tau(ra[k] for k in keys), "tau_b": tau(rb[k] for k in keys)}
     out.update(paired_bootstrap(fa, fb, boot, seed))
     lo, hi = out["ci95"]
-    out["verdict"] = "b ahead" if lo > 0 else "a ahead" if hi < 0 else "within noise"
+    if len(keys) < MIN_PROMPTS:
+        out["verdict"] = f"too few prompts ({len(keys)} < {MIN_PROMPTS})"
+    else:
+        out["verdict"] = "b ahead" if lo > 0 else "a ahead" if hi < 0 else "within noise"
     return out

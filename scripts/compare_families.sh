@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Which draft family suits this target? Medusa, EAGLE and EAGLE-3 on the same self-distilled data with the same
+# budget, then one measurement of all three (greedy, fp32: token identity vs plain is checked) whose report has a
+# head-to-head table: target forwards per pair with a paired-bootstrap 95% interval and a verdict.
+#   bash scripts/compare_families.sh                                      # embedded SmolLM2 + ShareGPT, D1 recipe
+#   bash scripts/compare_families.sh target=hf target.name=/path/to/model # overrides go to every job
+#   QUESTIONS=../shared/data/mt_bench.jsonl MAXQ=80 bash scripts/compare_families.sh
+# Env: RUN (output folder), N (conversations to distill), SOURCE (a conversations file whose user turns are the
+# prompts; empty = the embedded ShareGPT), DISTILL_TOKENS (answer length), DATA (the distilled JSONL; made if
+# missing, extended if short, so a rerun resumes, and so do the trainers), STEPS (optimizer steps per family, global batch 8), DV (EAGLE-3 draft vocabulary;
+# empty = min(32000, V)), QUESTIONS (MT-bench-format file; empty = the distilled data's held-out split), MAXQ,
+# NEW (tokens per answer), PARALLEL (1: the three trainers share the device at once; default on CUDA only),
+# MEDUSA_ARGS / EAGLE_ARGS / EAGLE3_ARGS (space-separated overrides for one family, e.g. "head.ttt_decay=0.35").
+# Cost: on an H200 the defaults take minutes; on a 2-core CPU, hours (README "Measured results" has per-run times).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN=${RUN:-runs/compare}
+N=${N:-1200}
+SOURCE=${SOURCE:-}
+DISTILL_TOKENS=${DISTILL_TOKENS:-320}
+DATA=${DATA:-$RUN/distilled.jsonl}
+STEPS=${STEPS:-450}
+DV=${DV-8192}
+QUESTIONS=${QUESTIONS:-}
+MAXQ=${MAXQ:-80}
+NEW=${NEW:-32}
+PARALLEL=${PARALLEL:-$(python -c "import torch; print(int(torch.cuda.is_available()))")}
+export WANDB_MODE=${WANDB_MODE:-offline}
+T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done  # distill and measure take only these
+
+# 1. the target's own answers (resumable: a rerun skips what DATA already holds)
+S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
+python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_tokens="$DISTILL_TOKENS" \
+  max_prompt_tokens=512 batch_size=32 out="$DATA"
+
+# 2. three families, one data file, one budget
+C=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)" train.max_steps="$STEPS" train.resume=true "$@")
+read -r -a MX <<< "${MEDUSA_ARGS:-}"; read -r -a EX <<< "${EAGLE_ARGS:-}"; read -r -a E3X <<< "${EAGLE3_ARGS:-}"
+[ -n "$DV" ] && E3X=(head.draft_vocab_size="$DV" "${E3X[@]}")
+jobs_=(
+  "python train/medusa.py +experiment=medusa_full ${C[*]@Q} ${MX[*]@Q} out_dir=${RUN@Q}/medusa"
+  "python train/eagle.py +experiment=eagle_full ${C[*]@Q} ${EX[*]@Q} out_dir=${RUN@Q}/eagle"
+  "python train/eagle3.py +experiment=eagle3_full ${C[*]@Q} ${E3X[*]@Q} out_dir=${RUN@Q}/eagle3"
+)
+if [ "$PARALLEL" = 1 ]; then
+  pids=(); for j in "${jobs_[@]}"; do eval "$j" & pids+=($!); done
+  for p in "${pids[@]}"; do wait "$p"; done  # set -e: a failed trainer stops the script
+else
+  for j in "${jobs_[@]}"; do eval "$j"; done
+fi
+
+# 3. one measurement of all three, same questions, same target, fp32 greedy
+Q=(data=distilled data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
+[ -n "$QUESTIONS" ] && Q+=(questions="$QUESTIONS")
+python eval/measure.py "${T[@]}" target.dtype=fp32 "${Q[@]}" out_dir="$RUN/measure" max_questions="$MAXQ" max_turns=1 \
+  max_new_tokens="$NEW" 'methods=[plain]' 'temperatures=[]' 'sweep.methods=[]' \
+  +heads.medusa="$RUN/medusa/final" +heads.eagle="$RUN/eagle/final" +heads.eagle3="$RUN/eagle3/final"
+echo "report: $RUN/measure/report.md"

@@ -1,0 +1,47 @@
+"""scripts/compare_families.sh end to end on a tiny random target: distill, three trainers on one file and one
+budget, one fp32 measurement with a head-to-head table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_dir, chat_file, tmp_path):
+    run = tmp_path / "run"
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]}) for i, t in
+                               enumerate(["hello there how are you", "count one two three four"])) + "\n")
+    env = dict(os.environ, RUN=str(run), N="16", SOURCE=str(chat_file), DISTILL_TOKENS="10", STEPS="3", DV="",
+               EAGLE3_ARGS="head.aux_layers=[0,1,2]", QUESTIONS=str(qfile), MAXQ="2", NEW="8", PARALLEL="0",
+               WANDB_MODE="disabled", DRAFTHEADS_CACHE=str(tmp_path / "cache"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    overrides = ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true", "train.device=cpu",
+                 "train.batch_size=2", "train.grad_accum=1", "data.max_length=64", "data.heldout_fraction=0.2",
+                 "logging.wandb=disabled"]
+    p = subprocess.run(["bash", str(REPO / "scripts" / "compare_families.sh"), *overrides], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    records = [json.loads(line) for line in (run / "distilled.jsonl").read_text().splitlines()]
+    assert len(records) == 16 and all(r["messages"][-1]["role"] == "assistant" for r in records)
+    res = json.loads((run / "measure" / "results.json").read_text())
+    assert res["dtype"] == "fp32"
+    for fam in ("medusa", "eagle", "eagle3"):
+        summary = json.loads((run / fam / "final" / "config.json").read_text())
+        assert summary["family"] == fam
+        assert res["methods"][fam]["checkpoint"] == str(run / fam / "final")
+        gi = res["settings"]["greedy"]["greedy_identical"][fam]
+        assert gi["identical"] == gi["comparable_turns"] == 2  # fp32: every head reproduces plain greedy
+    g = res["settings"]["greedy"]
+    pairs = {(q["a"], q["b"]): q for q in g["head_to_head"]}
+    assert set(pairs) == {("medusa", "eagle"), ("medusa", "eagle3"), ("eagle", "eagle3")}
+    for (a, b), q in pairs.items():
+        assert q["forwards_a"] == g["methods"][a]["steps"] and q["saved"] == q["forwards_a"] - q["forwards_b"]
+    assert "Head to head" in (run / "measure" / "report.md").read_text()
+    assert f"report: {run}/measure/report.md" in p.stdout
