@@ -47,8 +47,8 @@ from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tree_forward
 from eval.questions import load_questions
 from heads.checkpoint import atomic_write_text
-from heads.target import FrozenTarget, dtype_name, load_target
 from eval.tau import paired_forwards, tau
+from heads.target import FrozenTarget, dtype_name, load_target
 
 log = logging.getLogger(__name__)
 

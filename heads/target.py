@@ -44,7 +44,8 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp
 def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
     """Whether bf16 matmuls run natively on ``device``: a CUDA GPU with bf16 support, or a CPU with
     AMX-BF16 or AVX512-BF16. Elsewhere (AVX2-only CPUs, e.g. many AMD EPYC hosts) torch emulates bf16 and
-    it is ~40x *slower* than fp32 (measured: 0.8 vs 30 GFLOP/s per core), so ``auto`` picks fp32 there."""
+    it is far *slower* than fp32 (scripts/bench_dtype.py on a 2-core AMD EPYC: 1.3 vs 95 GFLOP/s), so ``auto``
+    picks fp32 there."""
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

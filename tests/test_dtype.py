@@ -1,4 +1,4 @@
-"""`auto` precision: bf16 only where the hardware computes it natively (AVX2-only CPUs emulate it ~40x slower)."""
+"""`auto` precision: bf16 only where the hardware computes it natively (AVX2-only CPUs emulate it, far slower)."""
 
 from __future__ import annotations
 

@@ -260,7 +260,7 @@ def _fill_deepspeed_config(acc: Any, cfg: Any) -> None:
 
 def resolve_mixed_precision(mp: str, device: str | torch.device) -> str:
     """train.mixed_precision with ``auto`` resolved: bf16 where the device computes it natively, else no
-    (fp32): on AVX2-only CPUs bf16 autocast is ~40x slower than fp32 (heads/target.py:bf16_is_fast)."""
+    (fp32): on AVX2-only CPUs bf16 autocast is far slower than fp32 (heads/target.py:bf16_is_fast)."""
     if mp == "auto":
         return "bf16" if bf16_is_fast(device) else "no"
     if mp not in ("no", "bf16", "fp16"):
