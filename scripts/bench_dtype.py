@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["target_tokens_per_s"] = {dtype_name(dt): round(target_tokens_per_s(dt, args.device, args.tokens,
                                                                                   args.repeats), 1) for dt in DTYPES}
     g = result["matmul_gflops"]
-    result["bf16_speedup"] = round(g["bf16"] / g["fp32"], 3)
+    result["bf16_speedup"] = round(g["bf16"] / g["fp32"], 4)
     faster = "bf16" if g["bf16"] > g["fp32"] else "fp32"
     result["auto_is_faster_choice"] = result["auto_picks"] == faster
     out = Path(args.out)
