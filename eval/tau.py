@@ -48,8 +48,8 @@ def paired_forwards(ra: Mapping[Any, dict[str, Any]], rb: Mapping[Any, dict[str,
     τ each, and B's saving over A with its paired-bootstrap interval and a verdict.
 
     Forwards only compare at equal output length (true for greedy fp32 runs of one target, which are
-    token-identical): ``strict`` raises on a turn where the lengths differ, otherwise such turns are left out
-    and counted in ``unequal_turns_skipped``."""
+    token-identical) on the same prompt: ``strict`` raises on a turn where lengths or prompts differ, otherwise
+    such turns are left out and counted in ``unequal_turns_skipped``."""
     keys = sorted(set(ra) & set(rb), key=str)
     if not keys:
         raise ValueError(f"{label_a} and {label_b} share no (setting, question, turn) rows")
@@ -62,12 +62,11 @@ def paired_forwards(ra: Mapping[Any, dict[str, Any]], rb: Mapping[Any, dict[str,
             return f"{label_a} emitted {x['new_tokens']} tokens, {label_b} {y['new_tokens']}"
         return None
 
-    unequal = [k for k in keys if why_not(k)]
+    unequal = {k: why for k in keys if (why := why_not(k))}
     if unequal and strict:
-        k = unequal[0]
-        raise ValueError(f"row {k}: {why_not(k)}; forwards only compare at equal output length on the same prompt")
-    skip = set(unequal)
-    keys = [k for k in keys if k not in skip]
+        k, why = next(iter(unequal.items()))
+        raise ValueError(f"row {k}: {why}; forwards only compare at equal output length on the same prompt")
+    keys = [k for k in keys if k not in unequal]
     if not keys:
         raise ValueError(f"{label_a} and {label_b}: no turn with equal output length on the same prompt to compare")
     fa = [ra[k]["steps"] for k in keys]

@@ -34,23 +34,23 @@ python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_t
   max_prompt_tokens=512 batch_size=32 out="$DATA"
 
 # 2. three families, one data file, one budget
-C=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)" train.max_steps="$STEPS" train.resume=true "$@")
+D=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
 read -r -a MX <<< "${MEDUSA_ARGS:-}"; read -r -a EX <<< "${EAGLE_ARGS:-}"; read -r -a E3X <<< "${EAGLE3_ARGS:-}"
 [ -n "$DV" ] && E3X=(head.draft_vocab_size="$DV" "${E3X[@]}")
-jobs_=(
-  "python train/medusa.py +experiment=medusa_full ${C[*]@Q} ${MX[*]@Q} out_dir=${RUN@Q}/medusa"
-  "python train/eagle.py +experiment=eagle_full ${C[*]@Q} ${EX[*]@Q} out_dir=${RUN@Q}/eagle"
-  "python train/eagle3.py +experiment=eagle3_full ${C[*]@Q} ${E3X[*]@Q} out_dir=${RUN@Q}/eagle3"
-)
+train() {  # train FAMILY [family overrides...]
+  python "train/$1.py" "+experiment=$1_full" "${D[@]}" train.max_steps="$STEPS" train.resume=true "${ARGS[@]}" \
+    "${@:2}" out_dir="$RUN/$1"
+}
+ARGS=("$@")
 if [ "$PARALLEL" = 1 ]; then
-  pids=(); for j in "${jobs_[@]}"; do eval "$j" & pids+=($!); done
-  for p in "${pids[@]}"; do wait "$p"; done  # set -e: a failed trainer stops the script
+  train medusa "${MX[@]}" & p1=$!; train eagle "${EX[@]}" & p2=$!; train eagle3 "${E3X[@]}" & p3=$!
+  wait $p1; wait $p2; wait $p3  # set -e: a failed trainer stops the script
 else
-  for j in "${jobs_[@]}"; do eval "$j"; done
+  train medusa "${MX[@]}"; train eagle "${EX[@]}"; train eagle3 "${E3X[@]}"
 fi
 
 # 3. one measurement of all three, same questions, same target, fp32 greedy
-Q=(data=distilled data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
+Q=(data=distilled "${D[@]}")
 [ -n "$QUESTIONS" ] && Q+=(questions="$QUESTIONS")
 python eval/measure.py "${T[@]}" target.dtype=fp32 "${Q[@]}" out_dir="$RUN/measure" max_questions="$MAXQ" max_turns=1 \
   max_new_tokens="$NEW" 'methods=[plain]' 'temperatures=[]' 'sweep.methods=[]' \
