@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from data_prep.dataset import DataConfig
 from data_prep.sources import Conversation, conversation_key, load_conversations, split_conversations
 from data_prep.template import ensure_chat_template, prompt_ids
-from heads.target import load_target
+from heads.target import load_target, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def generate_batch(target, prompts: list[list[int]], cfg: Any, generator_seed: i
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
-    target = load_target(cfg.target, device="cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu")
+    target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)
     ensure_chat_template(target.tokenizer, dcfg.chat_template)
     if cfg.turns not in ("first", "all"):

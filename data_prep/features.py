@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from data_prep.dataset import PreparedData, collate, model_inputs, prepare_data
 from heads.checkpoint import atomic_write_text
-from heads.target import DTYPE_NAMES, FrozenTarget, check_identity, load_target, parse_dtype
+from heads.target import DTYPE_NAMES, FrozenTarget, check_identity, load_target, parse_dtype, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -304,11 +304,11 @@ def _plan_fields(m: dict[str, Any]) -> dict[str, Any]:
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
     target = load_target(cfg.target, device=device)
     data = prepare_data(cfg.data, target.tokenizer)
     layers = resolve_layers(cfg.layers if isinstance(cfg.layers, int) else list(cfg.layers), target.num_layers)
-    dtype = parse_dtype(cfg.dtype)
+    dtype = parse_dtype(cfg.dtype, device)
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of bf16, fp16, fp32, got {cfg.dtype!r}")
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0

@@ -27,7 +27,7 @@ from eval.generate import GenResult, NoDrafter, generate
 from eval.questions import load_questions
 from eval.tau import tau_value
 from heads.checkpoint import atomic_write_text
-from heads.target import dtype_name, load_target
+from heads.target import dtype_name, load_target, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def run_questions(target, drafter, questions, cfg, desc: str = "eval", reference
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     torch.manual_seed(int(cfg.seed))
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, device=resolve_device(cfg.device))
     ensure_chat_template(target.tokenizer, cfg.data.chat_template if "data" in cfg else None)
     if cfg.questions:
         qfile = Path(cfg.questions)
@@ -135,7 +135,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     summary = summarize(rows, max_depth)
     # ---- save
     result = {"drafter": desc, "questions": str(qfile), "num_questions": len(questions), "mode": cfg.mode,
-              "dtype": dtype_name(target.dtype), "max_new_tokens": int(cfg.max_new_tokens), "summary": summary,
+              "dtype": dtype_name(target.dtype), "device": str(target.device), "max_new_tokens": int(cfg.max_new_tokens),
+              "summary": summary,
               "target": target.identity.to_dict(), "rows": rows}
     if plain_summary is not None:
         div = [r["first_divergence"] for r in rows]

@@ -48,7 +48,7 @@ from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tr
 from eval.questions import load_questions
 from heads.checkpoint import atomic_write_text
 from eval.tau import paired_forwards, tau
-from heads.target import FrozenTarget, dtype_name, load_target
+from heads.target import FrozenTarget, dtype_name, load_target, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -506,7 +506,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     t_job = time.perf_counter()
     load_start = _loadavg()
     torch.manual_seed(int(cfg.seed))
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, device=resolve_device(cfg.device))
     ensure_chat_template(target.tokenizer, cfg.data.chat_template if "data" in cfg else None)
     qfile, questions = _questions(cfg, target)
     settings = decoding_settings(cfg)

@@ -297,8 +297,11 @@ def _uniforms(n: int, generator: torch.Generator | None) -> list[float]:
 
 
 def _prob_row(probs: torch.Tensor, i: int, name: str) -> torch.Tensor:
-    """Row i of a probability table as normalized float64 [V]; ValueError if it has no mass."""
-    row = probs[i].to(torch.float64)
+    """Row i of a probability table as normalized float64 [V] on the CPU; ValueError if it has no mass.
+
+    The CPU because the target's rows may live on a GPU and a drafter's on the CPU: the rule's few
+    row operations per step then never mix devices, and float64 keeps the residuals exact."""
+    row = probs[i].to("cpu", torch.float64)
     mass = float(row.sum())
     if not (mass > 0.0 and math.isfinite(mass)):
         raise ValueError(f"{name}[{i}] is not a distribution (sum = {mass})")

@@ -75,6 +75,31 @@ def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> 
     return DTYPES[name]
 
 
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """Map a config device ('auto', 'cpu', 'cuda', 'cuda:1') to a torch device with a clear error.
+
+    ``auto``: the current CUDA GPU when one is visible, else the CPU — so the same command uses a GPU
+    host's GPU and still runs on a laptop. Asking for CUDA where there is none is a user error."""
+    if isinstance(name, torch.device):
+        return name
+    name = str(name)
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; expected auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for but torch sees no CUDA GPU (torch {torch.__version__}, "
+                             f"built for CUDA {torch.version.cuda}); use device=auto or device=cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return dev
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The config spelling of a torch dtype (what results files record)."""
     return DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
