@@ -41,3 +41,16 @@ def test_smollm2_prepare_train_eval(tmp_path):
     res = eval_main(ecfg)
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 2
     assert res["summary"]["tau"] >= 1.0
+
+
+@pytest.mark.integration
+def test_decode_attention_benchmark_times_both_kernels_on_real_prompts(tmp_path):
+    from scripts import bench_decode_attn
+
+    out = tmp_path / "decode_attn.json"
+    res = bench_decode_attn.main(["--device", "cpu", "--dtype", "fp32", "--batch", "3", "--new", "4",
+                                  "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert set(res["tokens_per_s"]) == {"sdpa", "eager"} and all(v > 0 for v in res["tokens_per_s"].values())
+    assert res["auto_picks"] == "sdpa"  # fp32: auto keeps the target's kernel
+    assert res["eager_speedup"] == pytest.approx(res["tokens_per_s"]["eager"] / res["tokens_per_s"]["sdpa"], rel=1e-2)
