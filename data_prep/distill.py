@@ -22,13 +22,13 @@ from typing import Any
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from data_prep.dataset import DataConfig
 from data_prep.sources import Conversation, conversation_key, load_conversations, split_conversations
 from data_prep.template import ensure_chat_template, prompt_ids
-from heads.target import load_target, parse_dtype, resolve_device
+from heads.target import load_target, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -96,27 +96,9 @@ def generate_batch(target, prompts: list[list[int]], cfg: Any, generator_seed: i
     return res
 
 
-def decode_attention(choice: str, target_attn: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The attention kernel for batched generation: ``auto`` = eager on a CPU in bf16, else the target's own.
-
-    Why: torch's CPU SDPA (flash) kernel is slow for one-token steps over a batch in bf16. On a 2-core
-    AVX512-BF16 EPYC a [32 x 1] step over a 300-token cache took 673 ms with SDPA and 334 ms with eager
-    attention (scripts/bench_decode_attn.py measures it here), while full-sequence forwards (training)
-    favour SDPA, which stays the target's default."""
-    if choice not in ("auto", "sdpa", "eager"):
-        raise ValueError(f"attn_implementation must be auto, sdpa or eager, got {choice!r}")
-    if choice != "auto":
-        return choice
-    return "eager" if device.type == "cpu" and dtype == torch.bfloat16 else target_attn
-
-
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
-    device = resolve_device(cfg.device)
-    tcfg = OmegaConf.to_container(cfg.target, resolve=True)
-    tcfg["attn_implementation"] = decode_attention(str(cfg.attn_implementation), tcfg.get("attn_implementation", "sdpa"),
-                                                   device, parse_dtype(tcfg.get("dtype", "auto"), device))
-    target = load_target(tcfg, device=device)
+    target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)
     ensure_chat_template(target.tokenizer, dcfg.chat_template)
     if cfg.turns not in ("first", "all"):
@@ -194,7 +176,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     elapsed = time.perf_counter() - t0
     summary = {"out": str(out), "written": written, "already_done": len(done), "skipped_long_prompt": skipped_long,
                "skipped_duplicate_prompt": skipped_dup,
-               "new_tokens": new_tokens, "seconds": round(elapsed, 1), "attn_implementation": tcfg["attn_implementation"],
+               "new_tokens": new_tokens, "seconds": round(elapsed, 1), "attn_implementation": str(cfg.target.attn_implementation),
                "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1)}
     log.info("distill done: %s", json.dumps(summary))
     print(json.dumps(summary))
