@@ -176,7 +176,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     elapsed = time.perf_counter() - t0
     summary = {"out": str(out), "written": written, "already_done": len(done), "skipped_long_prompt": skipped_long,
                "skipped_duplicate_prompt": skipped_dup,
-               "new_tokens": new_tokens, "seconds": round(elapsed, 1), "attn_implementation": str(cfg.target.attn_implementation),
+               "new_tokens": new_tokens, "seconds": round(elapsed, 1),
+               "attn_implementation": str(cfg.target.attn_implementation),
                "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1)}
     log.info("distill done: %s", json.dumps(summary))
     print(json.dumps(summary))
