@@ -135,7 +135,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     summary = summarize(rows, max_depth)
     # ---- save
     result = {"drafter": desc, "questions": str(qfile), "num_questions": len(questions), "mode": cfg.mode,
-              "dtype": dtype_name(target.dtype), "device": str(target.device), "max_new_tokens": int(cfg.max_new_tokens),
+              "dtype": dtype_name(target.dtype), "device": str(target.device),
+              "max_new_tokens": int(cfg.max_new_tokens),
               "summary": summary,
               "target": target.identity.to_dict(), "rows": rows}
     if plain_summary is not None:
