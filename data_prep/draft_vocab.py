@@ -5,6 +5,12 @@ loss-masked (assistant) tokens of the prepared training split — ties broken by
 then sorted by id (see heads.eagle3.vocab_mapping). Ids never seen fill the remaining slots in id
 order, so any DV <= V is valid. Coverage (share of assistant tokens inside the vocabulary) is
 reported so a too-small DV is visible before training.
+
+A small training set (a thousand self-distilled answers) sees only a few thousand distinct ids, and the
+ids it happens to miss are guaranteed rejections on new text. ``head.draft_vocab_reference`` names a
+larger corpus (the embedded ShareGPT, or any conversations file) whose assistant turns also vote: ids
+are ranked by the mean of the two normalized frequencies, so common tokens the training split never
+saw get slots, and the target's own frequent tokens keep theirs.
 """
 
 from __future__ import annotations
@@ -28,8 +34,40 @@ def count_assistant_tokens(dataset: Any, vocab_size: int) -> np.ndarray:
     return counts
 
 
+def count_reference_tokens(source: str, tokenizer: Any, vocab_size: int, batch: int = 512) -> np.ndarray:
+    """[V] int64 counts of the tokens of every assistant message of a conversations corpus (content only, no
+    chat template: the template's tokens are in the training counts already). ``source``: "sharegpt" (the
+    embedded file) or a path that data_prep.sources reads."""
+    from data_prep.sources import load_conversations  # the loader's own errors name file, record and field
+
+    convs, _ = load_conversations(source)
+    texts = [m["content"] for c in convs for m in c.messages if m["role"] == "assistant" and m["content"]]
+    if not texts:
+        raise ValueError(f"head.draft_vocab_reference={source!r} has no assistant text to count")
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i in range(0, len(texts), batch):
+        ids = tokenizer(texts[i:i + batch], add_special_tokens=False)["input_ids"]
+        flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])
+        if flat.size and flat.max() >= vocab_size:
+            raise ValueError(f"the tokenizer gives id {int(flat.max())} for head.draft_vocab_reference={source!r}, "
+                             f"outside the target's vocabulary (0..{vocab_size - 1})")
+        counts += np.bincount(flat, minlength=vocab_size)
+    return counts
+
+
+def ranking_scores(counts: np.ndarray, reference: np.ndarray | None) -> np.ndarray:
+    """What select_draft_vocab ranks by: the training counts alone, or the mean of the training and the
+    reference corpus's normalized frequencies (each corpus weighs the same, whatever its size). [V]"""
+    if reference is None:
+        return counts
+    assert reference.shape == counts.shape
+    train = counts / max(1, int(counts.sum()))
+    return 0.5 * train + 0.5 * reference / max(1, int(reference.sum()))
+
+
 def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
-    """The ``draft_vocab_size`` most frequent ids (ties: smaller id first), sorted by id. [DV] int64."""
+    """The ``draft_vocab_size`` highest-scoring ids (counts or ranking_scores; ties: smaller id first), sorted
+    by id. [DV] int64."""
     V = counts.shape[0]
     if not 1 <= draft_vocab_size <= V:
         raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{V} (the target's vocabulary)")

@@ -31,7 +31,7 @@ T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done  # distill an
 # 1. the target's own answers (resumable: a rerun skips what DATA already holds)
 S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
 python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_tokens="$DISTILL_TOKENS" \
-  max_prompt_tokens=512 batch_size=32 out="$DATA"
+  max_prompt_tokens=512 batch_size=32 out="$DATA" hydra.run.dir="$RUN/distill-hydra"
 
 # 2. three families, one data file, one budget
 D=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
@@ -39,7 +39,7 @@ read -r -a MX <<< "${MEDUSA_ARGS:-}"; read -r -a EX <<< "${EAGLE_ARGS:-}"; read 
 [ -n "$DV" ] && E3X=(head.draft_vocab_size="$DV" "${E3X[@]}")
 train() {  # train FAMILY [family overrides...]
   python "train/$1.py" "+experiment=$1_full" "${D[@]}" train.max_steps="$STEPS" train.resume=true "${ARGS[@]}" \
-    "${@:2}" out_dir="$RUN/$1"
+    "${@:2}" out_dir="$RUN/$1" hydra.run.dir="$RUN/$1"
 }
 ARGS=("$@")
 if [ "$PARALLEL" = 1 ]; then

@@ -156,6 +156,38 @@ def test_draft_vocab_selection_and_mapping_round_trip(tmp_path):
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and "embed_tokens.weight" not in t
 
 
+
+def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path):
+    """A small training split misses common ids; head.draft_vocab_reference ranks by the mean frequency."""
+    from data_prep.draft_vocab import count_reference_tokens, ranking_scores
+
+    tok = make_tokenizer()
+    V = len(tok)
+    ref_file = tmp_path / "ref.jsonl"
+    convs = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "the cat sat on the mat"}]},
+             {"conversations": [{"from": "human", "value": "the the the"}, {"from": "gpt", "value": "a dog"}]},
+             {"conversations": []}]  # empty: skipped by the loader
+    ref_file.write_text("\n".join(json.dumps(c) for c in convs) + "\n")
+    ref = count_reference_tokens(str(ref_file), tok, V)
+    want = np.bincount(tok("the cat sat on the mat", add_special_tokens=False)["input_ids"]
+                       + tok("a dog", add_special_tokens=False)["input_ids"], minlength=V)
+    assert ref.tolist() == want.tolist()  # assistant text only: the user's "the the the" is not counted
+    # training counts: id 1 seen 30 times, id 2 once; the reference's most frequent id wins the second slot over an id the
+    # training split saw once, and the training split's own top id keeps its slot
+    train = np.zeros(V, np.int64)
+    train[[1, 2]] = [30, 1]
+    top_ref = int(np.argmax(ref))
+    assert top_ref not in (1, 2)
+    assert select_draft_vocab(train, 2).tolist() == [1, 2]
+    assert select_draft_vocab(ranking_scores(train, ref), 2).tolist() == sorted([1, top_ref])
+    assert ranking_scores(train, None) is train
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        count_reference_tokens(str(ref_file), tok, 10)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}) + "\n")
+    with pytest.raises(ValueError, match="no assistant text"):
+        count_reference_tokens(str(empty), tok, V)
+
 def test_bad_inputs_give_clear_errors(tmp_path):
     tgt = from_model(tiny_model("llama", vocab_size=128))
     with pytest.raises(ValueError, match=r"layer ids \[4\] are outside the target's depth; valid ids are 0..3"):
@@ -358,6 +390,31 @@ def test_frozen_lm_head_keeps_the_target_rows_and_trains_the_rest(tmp_path, peak
                                                              "head.init_lm_head": "random"}))))
 
 
+
+def test_trainer_ranks_the_vocab_with_a_reference_corpus_and_records_it(tmp_path, peaked_target_dir, chat_file):
+    from data_prep.dataset import prepare_data
+    from data_prep.draft_vocab import count_reference_tokens, ranking_scores
+    from train.eagle3 import main
+
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"},
+                                                            {"from": "gpt", "value": "zebra quartz jukebox " * 5}]})
+                             for i in range(4)) + "\n")
+    cfg = compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "ref-run", **_kw(**{
+        "train.max_steps": 0, "head.draft_vocab_reference": str(ref)})))
+    summary = main(cfg)
+    info = summary["draft_vocab"]
+    assert info["reference"] == str(ref) and info["reference_tokens"] > 0 and 0 < info["reference_coverage"] <= 1
+    tgt = load_target({"name": str(peaked_target_dir), "dtype": "fp32"})
+    train = count_assistant_tokens(prepare_data(cfg.data, tgt.tokenizer).train, tgt.vocab_size)
+    want = select_draft_vocab(ranking_scores(train, count_reference_tokens(str(ref), tgt.tokenizer,
+                                                                           tgt.vocab_size)), 100)
+    assert not np.array_equal(want, select_draft_vocab(train, 100))  # the reference changed the ranking
+    d2t = load_file(str(tmp_path / "ref-run" / "final" / "model.safetensors"))["d2t"]
+    assert (torch.arange(100) + d2t).tolist() == want.tolist()
+    saved = json.loads((tmp_path / "ref-run" / "final" / "config.json").read_text())["draft_vocab"]
+    assert saved["reference"] == str(ref)
+
 # ------------------------------------------------------------------------------------------ drafting
 
 TREES = [EagleTreeConfig(top_k=4, depth=5, nodes=20), EagleTreeConfig(kind="chain", depth=4),
@@ -512,3 +569,24 @@ def test_measure_counts_emitted_tokens_outside_the_draft_vocab():
     agg = aggregate([{**row, "out_of_draft_vocab": 2}, {**row, "out_of_draft_vocab": 0}, {**row}])
     assert agg["draft_vocab_oov"] == pytest.approx(2 / 16)
     assert "draft_vocab_oov" not in aggregate([row])
+
+
+def test_vocab_coverage_script_tables_sizes_with_and_without_a_reference(tmp_path, peaked_target_dir, chat_file):
+    from scripts.vocab_coverage import main as coverage
+
+    ref = tmp_path / "ref.jsonl"
+    ref.write_text(json.dumps({"conversations": [{"from": "human", "value": "q"},
+                                                 {"from": "gpt", "value": "zebra quartz jukebox " * 5}]}) + "\n")
+    over = ["target=hf", f"target.name={peaked_target_dir}", "target.local_files_only=true", "data=file",
+            f"data.path={chat_file}", "data.heldout_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}"]
+    res = coverage(["sizes=[10,100,400]", f"reference={ref}", f"out={tmp_path / 'cov.json'}", *over])
+    assert json.loads((tmp_path / "cov.json").read_text()) == res
+    rows = res["rows"]
+    assert [r["draft_vocab_size"] for r in rows] == [10, 10, 100, 100, res["target_vocab"], res["target_vocab"]]
+    assert [r["ranked_by"] for r in rows[:2]] == ["training split", f"training split + {ref}"]
+    own = [r for r in rows if r["ranked_by"] == "training split"]
+    assert own[0]["heldout_coverage"] < own[1]["heldout_coverage"] <= own[2]["heldout_coverage"] == 1.0
+    assert own[2]["coverage"] == 1.0 and res["reference_tokens"] > 0
+    assert res["distinct_train_ids"] < 100  # synthetic chats: 100 ids cover the training split
+    with pytest.raises(ValueError, match="sizes must be a list"):
+        coverage(["sizes=8192", *over])

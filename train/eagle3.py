@@ -18,7 +18,7 @@ compares the draft's argmax with the target's argmax over the *full* vocabulary,
 out-of-vocab target token is a miss.
 
 Draft vocabulary: the ``draft_vocab_size`` most frequent assistant-token ids of the training split
-(data_prep.draft_vocab) for a fresh draft; taken from the checkpoint — never recounted — when
+(data_prep.draft_vocab; with ``head.draft_vocab_reference``, ranked together with a larger corpus's) for a fresh draft; taken from the checkpoint — never recounted — when
 resuming (``train.resume``) or fine-tuning (``head.init_from``).
 
 Reads top to bottom: setup, loop (shared Trainer), save. ``main(cfg)`` is a plain function.
@@ -39,7 +39,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from data_prep.dataset import prepare_data, shifted_valid
-from data_prep.draft_vocab import count_assistant_tokens, select_draft_vocab, vocab_stats
+from data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores, select_draft_vocab,
+                                   vocab_stats)
 from data_prep.features import batch_hidden
 from heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from heads.target import FrozenTarget, load_target
@@ -269,12 +270,17 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     if h.init_lm_head not in ("target", "random"):
         raise ValueError(f"head.init_lm_head must be target or random, got {h.init_lm_head!r}")
     counts = count_assistant_tokens(data.train, V)
-    vocab = select_draft_vocab(counts, dv)
+    ref_source = h.get("draft_vocab_reference")
+    reference = count_reference_tokens(str(ref_source), target.tokenizer, V) if ref_source else None
+    vocab = select_draft_vocab(ranking_scores(counts, reference), dv)
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
     draft = Eagle3Draft(config, target)
     draft.set_vocab(vocab, init_lm_head_from=target.lm_head().weight if h.init_lm_head == "target" else None)
     held = count_assistant_tokens(data.heldout, V) if data.heldout is not None and len(data.heldout) else None
     info = {"source": "counted", **vocab_stats(counts, vocab, held)}
+    if reference is not None:
+        info.update(reference=str(ref_source), reference_tokens=int(reference.sum()),
+                    reference_coverage=round(int(reference[vocab].sum()) / int(reference.sum()), 6))
     if info.get("heldout_coverage") is not None and info["heldout_coverage"] < HELDOUT_COVERAGE_WARN:
         log.warning("the draft vocabulary (%d ids) covers only %.1f%% of the held-out assistant tokens: every other "
                     "token is a guaranteed rejection; a larger head.draft_vocab_size (default min(32000, V)) removes "
