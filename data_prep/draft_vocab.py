@@ -40,7 +40,11 @@ def count_reference_tokens(source: str, tokenizer: Any, vocab_size: int, batch: 
     embedded file) or a path that data_prep.sources reads."""
     from data_prep.sources import load_conversations  # the loader's own errors name file, record and field
 
-    convs, _ = load_conversations(source)
+    try:
+        convs, _ = load_conversations(source)
+    except (ValueError, OSError) as e:  # unknown name, missing file, nothing parseable: say which setting
+        raise ValueError(f"head.draft_vocab_reference={source!r}: {e} (use 'sharegpt' for the embedded ShareGPT "
+                         "or a path to a conversations file)") from None
     texts = [m["content"] for c in convs for m in c.messages if m["role"] == "assistant" and m["content"]]
     if not texts:
         raise ValueError(f"head.draft_vocab_reference={source!r} has no assistant text to count")

@@ -187,6 +187,9 @@ def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path):
     empty.write_text(json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}) + "\n")
     with pytest.raises(ValueError, match="no assistant text"):
         count_reference_tokens(str(empty), tok, V)
+    for bad, why in (("no-such-corpus", "unknown conversation source"), (str(tmp_path / "missing.jsonl"), "not found")):
+        with pytest.raises(ValueError, match=f"head.draft_vocab_reference=.*{why}"):
+            count_reference_tokens(bad, tok, V)
 
 def test_bad_inputs_give_clear_errors(tmp_path):
     tgt = from_model(tiny_model("llama", vocab_size=128))
