@@ -8,7 +8,8 @@
 # Env: RUN (output folder), N (conversations to distill), SOURCE (a conversations file whose user turns are the
 # prompts; empty = the embedded ShareGPT), DISTILL_TOKENS (answer length), DATA (the distilled JSONL; made if
 # missing, extended if short, so a rerun resumes, and so do the trainers), STEPS (optimizer steps per family, global batch 8), DV (EAGLE-3 draft vocabulary;
-# empty = min(32000, V)), QUESTIONS (MT-bench-format file; empty = the distilled data's held-out split), MAXQ,
+# empty = min(32000, V)), VOCAB_REF (corpus that votes on that vocabulary with the training split: sharegpt, a
+# conversations file, or empty for the training split alone), QUESTIONS (MT-bench-format file; empty = the distilled data's held-out split), MAXQ,
 # NEW (tokens per answer), PARALLEL (1: the three trainers share the device at once; default on CUDA only),
 # MEDUSA_ARGS / EAGLE_ARGS / EAGLE3_ARGS (space-separated overrides for one family, e.g. "head.ttt_decay=0.35").
 # Cost: on an H200 the defaults take minutes; on a 2-core CPU, hours (README "Measured results" has per-run times).
@@ -20,7 +21,8 @@ SOURCE=${SOURCE:-}
 DISTILL_TOKENS=${DISTILL_TOKENS:-320}
 DATA=${DATA:-$RUN/distilled.jsonl}
 STEPS=${STEPS:-450}
-DV=${DV-8192}
+DV=${DV-}
+VOCAB_REF=${VOCAB_REF-sharegpt}
 QUESTIONS=${QUESTIONS:-}
 MAXQ=${MAXQ:-80}
 NEW=${NEW:-32}
@@ -37,6 +39,7 @@ python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_t
 D=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
 read -r -a MX <<< "${MEDUSA_ARGS:-}"; read -r -a EX <<< "${EAGLE_ARGS:-}"; read -r -a E3X <<< "${EAGLE3_ARGS:-}"
 [ -n "$DV" ] && E3X=(head.draft_vocab_size="$DV" "${E3X[@]}")
+[ -n "$VOCAB_REF" ] && E3X=(head.draft_vocab_reference="$VOCAB_REF" "${E3X[@]}")
 train() {  # train FAMILY [family overrides...]
   python "train/$1.py" "+experiment=$1_full" "${D[@]}" train.max_steps="$STEPS" train.resume=true "${ARGS[@]}" \
     "${@:2}" out_dir="$RUN/$1" hydra.run.dir="$RUN/$1"

@@ -17,7 +17,7 @@ def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_d
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]}) for i, t in
                                enumerate(["hello there how are you", "count one two three four"])) + "\n")
-    env = dict(os.environ, RUN=str(run), N="16", SOURCE=str(chat_file), DISTILL_TOKENS="10", STEPS="3", DV="",
+    env = dict(os.environ, RUN=str(run), N="16", SOURCE=str(chat_file), DISTILL_TOKENS="10", STEPS="3", DV="", VOCAB_REF=str(chat_file),
                EAGLE3_ARGS="head.aux_layers=[0,1,2]", QUESTIONS=str(qfile), MAXQ="2", NEW="8", PARALLEL="0",
                WANDB_MODE="disabled", DRAFTHEADS_CACHE=str(tmp_path / "cache"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -29,6 +29,7 @@ def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_d
     assert p.returncode == 0, p.stderr[-3000:]
 
     records = [json.loads(line) for line in (run / "distilled.jsonl").read_text().splitlines()]
+    assert json.loads((run / "eagle3" / "final" / "config.json").read_text())["draft_vocab"]["reference"] == str(chat_file)
     assert len(records) == 16 and all(r["messages"][-1]["role"] == "assistant" for r in records)
     res = json.loads((run / "measure" / "results.json").read_text())
     assert res["dtype"] == "fp32"
@@ -36,6 +37,7 @@ def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_d
         summary = json.loads((run / fam / "final" / "config.json").read_text())
         assert summary["family"] == fam
         assert res["methods"][fam]["checkpoint"] == str(run / fam / "final")
+        assert (run / fam / ".hydra" / "overrides.yaml").exists()  # Hydra's logs beside the run, not in ./runs
         gi = res["settings"]["greedy"]["greedy_identical"][fam]
         assert gi["identical"] == gi["comparable_turns"] == 2  # fp32: every head reproduces plain greedy
     g = res["settings"]["greedy"]
