@@ -18,7 +18,8 @@ def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_d
     qfile.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]}) for i, t in
                                enumerate(["hello there how are you", "count one two three four"])) + "\n")
     env = dict(os.environ, RUN=str(run), N="16", SOURCE=str(chat_file), DISTILL_TOKENS="10", STEPS="3", DV="",
-               VOCAB_REF=str(chat_file), EAGLE3_ARGS="head.aux_layers=[0,1,2]", QUESTIONS=str(qfile), MAXQ="2", NEW="8", PARALLEL="0",
+               VOCAB_REF=str(chat_file), EAGLE3_ARGS="head.aux_layers=[0,1,2]", QUESTIONS=str(qfile), MAXQ="2",
+               NEW="8", PARALLEL="0",
                WANDB_MODE="disabled", DRAFTHEADS_CACHE=str(tmp_path / "cache"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     overrides = ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true", "train.device=cpu",

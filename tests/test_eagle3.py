@@ -172,8 +172,8 @@ def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path):
     want = np.bincount(tok("the cat sat on the mat", add_special_tokens=False)["input_ids"]
                        + tok("a dog", add_special_tokens=False)["input_ids"], minlength=V)
     assert ref.tolist() == want.tolist()  # assistant text only: the user's "the the the" is not counted
-    # training counts: id 1 seen 30 times, id 2 once; the reference's most frequent id wins the second slot over an id the
-    # training split saw once, and the training split's own top id keeps its slot
+    # training counts: id 1 seen 30 times, id 2 once; the reference's most frequent id wins the second slot over an
+    # id the training split saw once, and the training split's own top id keeps its slot
     train = np.zeros(V, np.int64)
     train[[1, 2]] = [30, 1]
     top_ref = int(np.argmax(ref))

@@ -18,8 +18,9 @@ compares the draft's argmax with the target's argmax over the *full* vocabulary,
 out-of-vocab target token is a miss.
 
 Draft vocabulary: the ``draft_vocab_size`` most frequent assistant-token ids of the training split
-(data_prep.draft_vocab; with ``head.draft_vocab_reference``, ranked together with a larger corpus's) for a fresh draft; taken from the checkpoint — never recounted — when
-resuming (``train.resume``) or fine-tuning (``head.init_from``).
+(data_prep.draft_vocab; with ``head.draft_vocab_reference``, ranked together with a larger corpus's) for a
+fresh draft; taken from the checkpoint — never recounted — when resuming (``train.resume``) or fine-tuning
+(``head.init_from``).
 
 Reads top to bottom: setup, loop (shared Trainer), save. ``main(cfg)`` is a plain function.
 """
