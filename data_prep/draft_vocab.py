@@ -79,8 +79,8 @@ def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
     return np.sort(order[:draft_vocab_size]).astype(np.int64)
 
 
-def vocab_stats(counts: np.ndarray, vocab_ids: np.ndarray,
-                heldout_counts: np.ndarray | None = None) -> dict[str, Any]:
+def vocab_stats(counts: np.ndarray, vocab_ids: np.ndarray, heldout_counts: np.ndarray | None = None,
+                reference_counts: np.ndarray | None = None) -> dict[str, Any]:
     """Coverage numbers recorded in the checkpoint and the log.
 
     Training coverage is 1.0 whenever DV exceeds the distinct ids seen, which says nothing about new text;
@@ -94,4 +94,7 @@ def vocab_stats(counts: np.ndarray, vocab_ids: np.ndarray,
            "coverage": round(inside / total, 6) if total else None}
     if heldout_counts is not None and int(heldout_counts.sum()):
         out["heldout_coverage"] = round(int(heldout_counts[vocab_ids].sum()) / int(heldout_counts.sum()), 6)
+    if reference_counts is not None and int(reference_counts.sum()):
+        out["reference_tokens"] = int(reference_counts.sum())
+        out["reference_coverage"] = round(int(reference_counts[vocab_ids].sum()) / out["reference_tokens"], 6)
     return out

@@ -50,9 +50,10 @@ def coverage_table(cfg: Any, sizes: list[int], reference: str | None) -> dict[st
     for size in sizes:
         dv = resolve_draft_vocab_size(size, V)
         for name, scores in rankings.items():
-            st = vocab_stats(train, select_draft_vocab(scores, dv), held)
+            st = vocab_stats(train, select_draft_vocab(scores, dv), held, ref)
             rows.append({"draft_vocab_size": dv, "ranked_by": name, "coverage": st["coverage"],
-                         "heldout_coverage": st.get("heldout_coverage")})
+                         "heldout_coverage": st.get("heldout_coverage"),
+                         "reference_coverage": st.get("reference_coverage")})
     return {"target_vocab": V, "train_assistant_tokens": int(train.sum()),
             "distinct_train_ids": int((train > 0).sum()), "heldout_assistant_tokens": int(held.sum()),
             "reference": reference, "reference_tokens": None if ref is None else int(ref.sum()), "rows": rows}

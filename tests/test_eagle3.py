@@ -135,6 +135,8 @@ def test_draft_vocab_selection_and_mapping_round_trip(tmp_path):
     st = vocab_stats(counts, select_draft_vocab(counts, 3), held)
     assert st["heldout_coverage"] == pytest.approx(2 / 3) and st["coverage"] == pytest.approx(5 / 7)
     assert "heldout_coverage" not in vocab_stats(counts, select_draft_vocab(counts, 3), np.zeros(12, np.int64))
+    ref_st = vocab_stats(counts, select_draft_vocab(counts, 3), None, np.array([4, 1, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0]))
+    assert ref_st["reference_tokens"] == 8 and ref_st["reference_coverage"] == pytest.approx(4 / 8)  # ids 1, 3, 7
     with pytest.raises(ValueError, match="outside the target's vocabulary"):
         count_assistant_tokens(rows, 8)
     d2t, t2d = vocab_mapping([9, 1, 3, 7], 12)
@@ -591,5 +593,6 @@ def test_vocab_coverage_script_tables_sizes_with_and_without_a_reference(tmp_pat
     assert own[0]["heldout_coverage"] < own[1]["heldout_coverage"] <= own[2]["heldout_coverage"] == 1.0
     assert own[2]["coverage"] == 1.0 and res["reference_tokens"] > 0
     assert res["distinct_train_ids"] < 100  # synthetic chats: 100 ids cover the training split
+    assert rows[1]["reference_coverage"] >= rows[0]["reference_coverage"]  # the reference voted for its own ids
     with pytest.raises(ValueError, match="sizes must be a list"):
         coverage(["sizes=8192", *over])

@@ -278,14 +278,14 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     draft = Eagle3Draft(config, target)
     draft.set_vocab(vocab, init_lm_head_from=target.lm_head().weight if h.init_lm_head == "target" else None)
     held = count_assistant_tokens(data.heldout, V) if data.heldout is not None and len(data.heldout) else None
-    info = {"source": "counted", **vocab_stats(counts, vocab, held)}
+    info = {"source": "counted", **vocab_stats(counts, vocab, held, reference)}
     if reference is not None:
-        info.update(reference=str(ref_source), reference_tokens=int(reference.sum()),
-                    reference_coverage=round(int(reference[vocab].sum()) / int(reference.sum()), 6))
+        info["reference"] = str(ref_source)
     if info.get("heldout_coverage") is not None and info["heldout_coverage"] < HELDOUT_COVERAGE_WARN:
         log.warning("the draft vocabulary (%d ids) covers only %.1f%% of the held-out assistant tokens: every other "
                     "token is a guaranteed rejection; a larger head.draft_vocab_size (default min(32000, V)) removes "
-                    "those at the cost of a larger draft lm_head", dv, 100 * info["heldout_coverage"])
+                    "those at the cost of a larger draft lm_head, and head.draft_vocab_reference=sharegpt fills the "
+                    "slots the training split leaves with common tokens", dv, 100 * info["heldout_coverage"])
     return draft, info
 
 
