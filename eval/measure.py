@@ -425,9 +425,10 @@ def greedy_identity(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) 
 def head_to_head(by: dict[str, list[dict[str, Any]]], names: list[str], seed: int = 0,
                  boot: int = 10000) -> list[dict[str, Any]]:
     """Every pair of heads measured together: B's target forwards saved over A on the same turns, with a
-    paired-bootstrap 95% interval over prompts (eval/tau.py) - is a τ lead more than prompt noise?"""
+    paired-bootstrap 95% interval over questions (eval/tau.py; a question's turns are resampled together) - is a
+    τ lead more than prompt noise?"""
     keyed = {n: {(r["question_id"], r["turn"]): r for r in by[n]} for n in names}
-    return [paired_forwards(keyed[a], keyed[b], a, b, boot, seed, strict=False)
+    return [paired_forwards(keyed[a], keyed[b], a, b, boot, seed, strict=False, cluster=lambda k: k[0])
             for i, a in enumerate(names) for b in names[i + 1:]]
 
 

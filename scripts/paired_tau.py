@@ -3,11 +3,16 @@
 Why: see eval/tau.py. ``eval/measure.py`` reports the same comparison for every pair of heads it measured
 together; this script pairs heads from two separate measure runs.
 
-    python scripts/paired_tau.py runs/measure/A:eagle runs/measure/B:eagle3 [boot=10000] [seed=0]
+    python scripts/paired_tau.py runs/measure/A:eagle runs/measure/B:eagle3 [boot=10000] [seed=0] \
+        [cluster=question|turn] [turn=N]
 
 Each argument is ``RUN:METHOD``: a directory written by ``eval/measure.py`` (or its ``results.json``) and a
 method name in it. Rows are paired by (setting, question_id, turn); both sides must emit the same number of
 tokens per row (true for greedy runs of the same target, which are token-identical).
+
+``cluster=question`` (default) resamples whole questions, so a multi-turn run's turns of one question move
+together; ``cluster=turn`` treats every turn as an independent draw (narrower, and optimistic when turns of a
+question are alike). With one turn per question the two are the same. ``turn=N`` keeps only turn N (0 = first).
 """
 
 from __future__ import annotations
@@ -38,11 +43,20 @@ def load_rows(spec: str) -> tuple[str, dict[tuple, dict[str, Any]]]:
     return f"{path.parent.name}:{method}", mine
 
 
-def compare(spec_a: str, spec_b: str, boot: int = 10000, seed: int = 0) -> dict[str, Any]:
+def compare(spec_a: str, spec_b: str, boot: int = 10000, seed: int = 0, cluster: str = "question",
+            turn: int | None = None) -> dict[str, Any]:
     """Target forwards of A and B on their common rows, τ each, and B's saving over A with its interval."""
+    if cluster not in ("question", "turn"):
+        raise ValueError(f"cluster must be 'question' or 'turn', got {cluster!r}")
     la, ra = load_rows(spec_a)
     lb, rb = load_rows(spec_b)
-    return paired_forwards(ra, rb, la, lb, boot, seed)
+    if turn is not None:
+        ra, rb = ({k: r for k, r in rows.items() if k[2] == turn} for rows in (ra, rb))
+        if not ra or not rb:
+            raise ValueError(f"turn={turn}: {la if not ra else lb} has no rows for that turn (turns count from 0)")
+    group = (lambda k: k[:2]) if cluster == "question" else None  # (setting, question_id)
+    res = paired_forwards(ra, rb, la, lb, boot, seed, cluster=group)
+    return {**res, "cluster": cluster, "turn": "all" if turn is None else turn}
 
 
 def main(argv: list[str]) -> int:
@@ -52,7 +66,9 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     try:
-        res = compare(specs[0], specs[1], int(opts.get("boot", 10000)), int(opts.get("seed", 0)))
+        turn = opts.get("turn")
+        res = compare(specs[0], specs[1], int(opts.get("boot", 10000)), int(opts.get("seed", 0)),
+                      opts.get("cluster", "question"), None if turn is None else int(turn))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

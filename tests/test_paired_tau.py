@@ -75,3 +75,50 @@ def test_turns_on_different_prompts_are_refused_or_skipped():
         paired_forwards(ra, rb, "a", "b")
     res = paired_forwards(ra, rb, "a", "b", boot=100, strict=False)
     assert res["rows"] == 1 and res["unequal_turns_skipped"] == 1 and res["saved"] == 2
+
+
+def _write_turns(path, method, steps_by_turn, tokens=32):
+    """steps_by_turn[t][q]: target forwards of question q's turn t (plain rows included, like measure.py)."""
+    rows = []
+    for t, steps in enumerate(steps_by_turn):
+        for q, s in enumerate(steps):
+            for m, st in (("plain", tokens), (method, s)):
+                rows.append({"method": m, "setting": "greedy", "question_id": q, "turn": t, "steps": st,
+                             "accepted_total": tokens - st, "new_tokens": tokens})
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps({"rows": rows}))
+    return path
+
+
+def test_cluster_question_moves_a_questions_turns_together(tmp_path):
+    base = [20, 18, 22, 19, 21, 20, 17, 23, 20, 19, 18, 21]
+    a = _write_turns(tmp_path / "a", "eagle", [base, base])
+    # b saves 3 on every first turn and loses 3 on every second: each question nets zero
+    b = _write_turns(tmp_path / "b", "eagle3", [[s - 3 for s in base], [s + 3 for s in base]])
+    by_q = compare(f"{a}:eagle", f"{b}:eagle3", boot=2000)
+    assert by_q["cluster"] == "question" and by_q["resampled_units"] == 12 and by_q["prompts"] == 24
+    assert by_q["saved"] == 0 and by_q["ci95"] == [0, 0] and by_q["verdict"] == "within noise"
+    by_t = compare(f"{a}:eagle", f"{b}:eagle3", boot=2000, cluster="turn")
+    assert by_t["resampled_units"] == 24 and by_t["ci95"][0] < -6 and by_t["ci95"][1] > 6  # turns drawn apart
+    first = compare(f"{a}:eagle", f"{b}:eagle3", boot=2000, turn=0)
+    second = compare(f"{a}:eagle", f"{b}:eagle3", boot=2000, turn=1)
+    assert (first["saved"], first["verdict"], first["turn"]) == (36, "b ahead", 0)
+    assert (second["saved"], second["verdict"], second["prompts"]) == (-36, "a ahead", 12)
+
+
+def test_single_turn_runs_give_the_same_interval_either_way(tmp_path):
+    base = [20, 18, 22, 19, 21, 20, 17, 23, 20, 19]
+    a = _write(tmp_path / "a", "eagle", base)
+    b = _write(tmp_path / "b", "eagle3", [s + (2 if i % 3 else -4) for i, s in enumerate(base)])
+    q = compare(f"{a}:eagle", f"{b}:eagle3", boot=3000, seed=5)
+    t = compare(f"{a}:eagle", f"{b}:eagle3", boot=3000, seed=5, cluster="turn")
+    assert q["ci95"] == t["ci95"] and q["saved"] == t["saved"] and q["verdict"] == t["verdict"]
+
+
+def test_cluster_and_turn_options_are_checked(tmp_path):
+    a = _write(tmp_path / "a", "eagle", [20] * 10)
+    b = _write(tmp_path / "b", "eagle3", [18] * 10)
+    with pytest.raises(ValueError, match="cluster must be 'question' or 'turn', got 'prompt'"):
+        compare(f"{a}:eagle", f"{b}:eagle3", cluster="prompt")
+    with pytest.raises(ValueError, match=r"turn=1: .* has no rows for that turn"):
+        compare(f"{a}:eagle", f"{b}:eagle3", turn=1)
