@@ -66,3 +66,14 @@ def test_every_field_has_a_comment(path):
         if ":" in s and "#" not in s and not (i > 0 and lines[i - 1].strip().startswith("#")):
             missing.append(f"{i + 1}: {s}")
     assert not missing, f"{path}: fields without a comment:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("name,out,expected", [("features", "runs/x/cache", "runs/x/cache/hydra"),
+                                               ("distill", "runs/x/d.jsonl", "runs/x/d.jsonl.hydra")])
+def test_hydra_logs_follow_the_output(name, out, expected):
+    """A job given out=... keeps Hydra's logs with its output instead of a fixed runs/<job>/hydra."""
+    from hydra import compose as hcompose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = hcompose(config_name=name, overrides=[f"out={out}"], return_hydra_config=True)
+    assert cfg.hydra.run.dir == expected
