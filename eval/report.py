@@ -108,7 +108,7 @@ def markdown(result: dict[str, Any]) -> str:
         h2h = block.get("head_to_head") or []
         if h2h:
             L += ["Head to head (target forwards on the same turns; B's saving over A with a 95% paired-bootstrap "
-                  "interval over prompts):", ""]
+                  "interval over questions, a question's turns resampled together):", ""]
             L += _table(["A", "B", "turns", "forwards A", "forwards B", "τ A", "τ B", "saved by B, 95% CI", "verdict"],
                         [[p["a"], p["b"], p["rows"], p["forwards_a"], p["forwards_b"], _f(p["tau_a"], 3),
                           _f(p["tau_b"], 3), f"{p['saved']:+d} [{p['ci95'][0]:+d}, {p['ci95'][1]:+d}]", p["verdict"]]

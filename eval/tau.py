@@ -90,7 +90,8 @@ def paired_forwards(ra: Mapping[Any, dict[str, Any]], rb: Mapping[Any, dict[str,
     out.update(paired_bootstrap(fa, fb, boot, seed, None if cluster is None else [cluster(k) for k in keys]))
     lo, hi = out["ci95"]
     if out["resampled_units"] < MIN_PROMPTS:
-        out["verdict"] = f"too few prompts ({out['resampled_units']} < {MIN_PROMPTS})"
+        unit = "prompts" if cluster is None else "questions"
+        out["verdict"] = f"too few {unit} ({out['resampled_units']} < {MIN_PROMPTS})"
     else:
         out["verdict"] = "b ahead" if lo > 0 else "a ahead" if hi < 0 else "within noise"
     return out

@@ -108,7 +108,8 @@ def test_heads_measured_together_get_a_paired_head_to_head(tiny_target_dir, tmp_
         assert p["ci95"][0] <= p["saved"] <= p["ci95"][1]
         assert p["tau_a"] == pytest.approx(g["methods"][a]["tau"], abs=1e-4)
     same = pairs[("m2", "m2again")]  # one checkpoint twice: deterministic, so no difference at all
-    assert same["saved"] == 0 and same["ci95"] == [0, 0] and same["verdict"] == "too few prompts (4 < 10)"
+    assert same["saved"] == 0 and same["ci95"] == [0, 0] and same["verdict"] == "too few questions (3 < 10)"
+    assert same["resampled_units"] == 3  # question 1's two turns are resampled as one unit
     md = (out / "report.md").read_text()
     assert "Head to head" in md and "| m2 | m3 | 4 |" in md
 
