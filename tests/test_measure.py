@@ -150,3 +150,21 @@ def test_question_file_per_category_and_bad_records(tmp_path):
     qf.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"question_id": 9, "turns": []}) + "\n")
     with pytest.raises(ValueError, match=r"q.jsonl:2: field 'turns'"):
         load_questions(qf)
+
+
+def test_turns_over_max_prompt_tokens_are_counted_not_hidden(tiny_target_dir, tmp_path, caplog):
+    """A prompt longer than max_prompt_tokens ends its question; results and report say how many turns went."""
+    qs = [{"question_id": 7, "category": "long", "turns": ["word " * 200, "and again"]},
+          {"question_id": 8, "category": "short", "turns": ["hello there", "count from one"]}]
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps(q) for q in qs) + "\n")
+    out = tmp_path / "measure"
+    ov = [o for o in _overrides(tiny_target_dir, qfile, out) if not o.startswith(("methods=", "temperatures="))]
+    with caplog.at_level("WARNING"):
+        res = main(compose("measure", ov + ["methods=[plain,prompt_lookup]", "temperatures=[]", "sweep.methods=[]",
+                                            "max_prompt_tokens=300"]))
+    g = res["settings"]["greedy"]
+    assert g["turns_measured"] == 2 and g["turns_skipped_long_prompt"] == 2  # question 7's both turns
+    assert {(r["question_id"], r["turn"]) for r in res["rows"] if r["method"] == "plain"} == {(8, 0), (8, 1)}
+    assert "question 7 turn 1 skipped" in caplog.text and "word" not in caplog.text  # ids only, never the text
+    assert "2 skipped because their prompt was longer than max_prompt_tokens=300" in (out / "report.md").read_text()
