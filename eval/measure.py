@@ -251,9 +251,10 @@ def run_questions_interleaved(methods: list[Method], target: FrozenTarget, quest
                 msgs.append({"role": "user", "content": turn})
                 ids = prompt_ids(tok, msgs)
                 if cfg.max_prompt_tokens and len(ids) > int(cfg.max_prompt_tokens):
-                    if m is methods[0]:  # once per question; ids and lengths only, never the text
-                        log.warning("%s: question %s turn %d skipped: its prompt has %d tokens > max_prompt_tokens=%d",
-                                    desc, q["question_id"], ti + 1, len(ids), int(cfg.max_prompt_tokens))
+                    # per method: a later turn's prompt holds the method's own answers, so they can differ
+                    # (ids and lengths only, never the text)
+                    log.warning("%s/%s: question %s turn %d skipped: its prompt has %d tokens > max_prompt_tokens=%d",
+                                desc, m.label, q["question_id"], ti + 1, len(ids), int(cfg.max_prompt_tokens))
                     break  # later turns would be longer still
                 r = run_turn(m, target, ids, max_new_tokens, eos, setting, int(cfg.seed) + 1000 * qi + ti, cfg)
                 answer = tok.decode([t for t in r["tokens"] if t not in eos], skip_special_tokens=True)
@@ -425,11 +426,12 @@ def greedy_identity(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) 
             "median_first_divergence": statistics.median(div) if div else None}
 
 
-def turns_skipped(questions: list[dict[str, Any]], plain_rows: list[dict[str, Any]], max_turns: int) -> int:
-    """Turns asked for (the first ``max_turns`` of each question) that plain never measured: a prompt longer
-    than ``max_prompt_tokens`` ends its question early. Reported so that "80 questions" never hides 78."""
+def turns_skipped(questions: list[dict[str, Any]], by: dict[str, list[dict[str, Any]]],
+                  max_turns: int) -> dict[str, int]:
+    """Per method, turns asked for (the first ``max_turns`` of each question) that it never measured: a prompt
+    longer than ``max_prompt_tokens`` ends its question early. Reported so that "80 questions" never hides 78."""
     asked = sum(min(len(q["turns"]), max_turns) for q in questions)
-    return asked - len(plain_rows)
+    return {name: asked - len(rows) for name, rows in by.items()}
 
 
 def head_to_head(by: dict[str, list[dict[str, Any]]], names: list[str], seed: int = 0,
@@ -546,8 +548,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         block: dict[str, Any] = {"mode": s.mode, "sampling": s.sampling, "methods": summ,
                                  "speedup_vs_plain": speedups(summ, "plain"),
                                  "speedup_vs_hf_prompt_lookup": speedups(summ, "hf_prompt_lookup")}
-        block["turns_measured"] = len(by["plain"])
-        block["turns_skipped_long_prompt"] = turns_skipped(questions, by["plain"], int(cfg.max_turns))
+        block["turns_skipped_long_prompt"] = turns_skipped(questions, by, int(cfg.max_turns))
         if s.mode == "greedy":
             block["greedy_identical"] = {n: greedy_identity(rs, by["plain"]) for n, rs in by.items() if n != "plain"}
             heads = [m.name for m in methods if m.checkpoint]

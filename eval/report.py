@@ -63,10 +63,11 @@ def markdown(result: dict[str, Any]) -> str:
                 f"({_f(h.get('bookkeeping_pct_of_t1'), 1)}% of t_1).", ""]
     for sname, block in result["settings"].items():
         L += [f"## {sname} ({block['mode']}" + (f", {block['sampling']}" if block["sampling"] else "") + ")", ""]
-        if block.get("turns_skipped_long_prompt"):
-            L += [f"{block['turns_measured']} turns measured; {block['turns_skipped_long_prompt']} skipped because "
-                  f"their prompt was longer than max_prompt_tokens={result['config'].get('max_prompt_tokens')} "
-                  "(a question's later turns go with it).", ""]
+        skipped = {n: k for n, k in (block.get("turns_skipped_long_prompt") or {}).items() if k}
+        if skipped:
+            L += ["Turns skipped because their prompt was longer than max_prompt_tokens="
+                  f"{result['config'].get('max_prompt_tokens')} (a question's later turns go with it): "
+                  + ", ".join(f"{n} {k}" for n, k in skipped.items()) + ".", ""]
         sp, sh = block["speedup_vs_plain"], block.get("speedup_vs_hf_prompt_lookup") or {}
         gi = block.get("greedy_identical") or {}
         rows = []

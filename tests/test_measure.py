@@ -164,7 +164,10 @@ def test_turns_over_max_prompt_tokens_are_counted_not_hidden(tiny_target_dir, tm
         res = main(compose("measure", ov + ["methods=[plain,prompt_lookup]", "temperatures=[]", "sweep.methods=[]",
                                             "max_prompt_tokens=300"]))
     g = res["settings"]["greedy"]
-    assert g["turns_measured"] == 2 and g["turns_skipped_long_prompt"] == 2  # question 7's both turns
-    assert {(r["question_id"], r["turn"]) for r in res["rows"] if r["method"] == "plain"} == {(8, 0), (8, 1)}
-    assert "question 7 turn 1 skipped" in caplog.text and "word" not in caplog.text  # ids only, never the text
-    assert "2 skipped because their prompt was longer than max_prompt_tokens=300" in (out / "report.md").read_text()
+    assert g["turns_skipped_long_prompt"] == {"plain": 2, "prompt_lookup": 2}  # question 7's both turns
+    for m in ("plain", "prompt_lookup"):
+        assert {(r["question_id"], r["turn"]) for r in res["rows"] if r["method"] == m} == {(8, 0), (8, 1)}
+        assert f"greedy/{m}: question 7 turn 1 skipped" in caplog.text
+    assert "word" not in caplog.text  # ids and lengths only, never the text
+    md = (out / "report.md").read_text()
+    assert "longer than max_prompt_tokens=300 (a question's later turns go with it): plain 2, prompt_lookup 2." in md
