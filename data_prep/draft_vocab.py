@@ -10,11 +10,17 @@ A small training set (a thousand self-distilled answers) sees only a few thousan
 ids it happens to miss are guaranteed rejections on new text. ``head.draft_vocab_reference`` names a
 larger corpus (the embedded ShareGPT, or any conversations file) whose assistant turns also vote: ids
 are ranked by the mean of the two normalized frequencies, so common tokens the training split never
-saw get slots, and the target's own frequent tokens keep theirs.
+saw get slots, and the target's own frequent tokens keep theirs. Tokenizing a whole corpus takes a while
+(92 s for ShareGPT's 18.8M assistant tokens on one busy CPU core, on every rank), so the counts are cached under
+``$DRAFTHEADS_CACHE/vocab_ref``, keyed by the file (path, size, mtime), the tokenizer and V.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,10 +40,41 @@ def count_assistant_tokens(dataset: Any, vocab_size: int) -> np.ndarray:
     return counts
 
 
+def _reference_cache_file(source: str, tokenizer: Any, vocab_size: int) -> Path | None:
+    """Where the counts of ``source`` are cached; None when it is not an existing file (the loader then says why)."""
+    from data_prep.dataset import tokenizer_fingerprint
+    from data_prep.sources import sharegpt_path
+    from heads.target import cache_root
+
+    path = Path(sharegpt_path() if source == "sharegpt" else os.path.expanduser(source))
+    if not path.is_file():
+        return None
+    st = path.stat()
+    blob = json.dumps({"v": 1, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                       "tok": tokenizer_fingerprint(tokenizer), "V": vocab_size}, sort_keys=True)
+    return cache_root() / "vocab_ref" / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+
+
 def count_reference_tokens(source: str, tokenizer: Any, vocab_size: int, batch: int = 512) -> np.ndarray:
     """[V] int64 counts of the tokens of every assistant message of a conversations corpus (content only, no
     chat template: the template's tokens are in the training counts already). ``source``: "sharegpt" (the
-    embedded file) or a path that data_prep.sources reads."""
+    embedded file) or a path that data_prep.sources reads. Cached (see the module docstring)."""
+    from heads.checkpoint import atomic_write_text
+
+    cached = _reference_cache_file(source, tokenizer, vocab_size)
+    if cached is not None and cached.is_file():
+        ids, n = json.loads(cached.read_text())["counts"]
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        counts[np.asarray(ids, dtype=np.int64)] = n
+        return counts
+    counts = _count_reference_tokens(source, tokenizer, vocab_size, batch)
+    if cached is not None:
+        nz = np.flatnonzero(counts)
+        atomic_write_text(cached, json.dumps({"source": source, "counts": [nz.tolist(), counts[nz].tolist()]}))
+    return counts
+
+
+def _count_reference_tokens(source: str, tokenizer: Any, vocab_size: int, batch: int) -> np.ndarray:
     from data_prep.sources import load_conversations  # the loader's own errors name file, record and field
 
     try:

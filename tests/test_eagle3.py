@@ -159,7 +159,7 @@ def test_draft_vocab_selection_and_mapping_round_trip(tmp_path):
 
 
 
-def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path):
+def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path, cache_env, monkeypatch):
     """A small training split misses common ids; head.draft_vocab_reference ranks by the mean frequency."""
     from data_prep.draft_vocab import count_reference_tokens, ranking_scores
 
@@ -174,6 +174,18 @@ def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path):
     want = np.bincount(tok("the cat sat on the mat", add_special_tokens=False)["input_ids"]
                        + tok("a dog", add_special_tokens=False)["input_ids"], minlength=V)
     assert ref.tolist() == want.tolist()  # assistant text only: the user's "the the the" is not counted
+    # cached: a second call reads the counts back without loading the corpus; another file state is another key
+    assert len(list((cache_env / "vocab_ref").glob("*.json"))) == 1
+    import data_prep.sources
+    with monkeypatch.context() as m:
+        m.setattr(data_prep.sources, "load_conversations", lambda *a, **k: pytest.fail("not cached"))
+        again = count_reference_tokens(str(ref_file), tok, V)
+    assert again.dtype == np.int64 and again.tolist() == ref.tolist()
+    ref_file.write_text(ref_file.read_text() + json.dumps({"conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "zebra"}]}) + "\n")
+    grown = count_reference_tokens(str(ref_file), tok, V)
+    assert grown.sum() == ref.sum() + len(tok("zebra", add_special_tokens=False)["input_ids"])
+    assert len(list((cache_env / "vocab_ref").glob("*.json"))) == 2
     # training counts: id 1 seen 30 times, id 2 once; the reference's most frequent id wins the second slot over an
     # id the training split saw once, and the training split's own top id keeps its slot
     train = np.zeros(V, np.int64)
