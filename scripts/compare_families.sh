@@ -33,7 +33,7 @@ T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done  # distill an
 # 1. the target's own answers (resumable: a rerun skips what DATA already holds)
 S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
 python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_tokens="$DISTILL_TOKENS" \
-  max_prompt_tokens=512 batch_size=32 out="$DATA" hydra.run.dir="$RUN/distill-hydra"
+  max_prompt_tokens=512 batch_size=32 out="$DATA"  # Hydra logs: $DATA.hydra
 
 # 2. three families, one data file, one budget
 D=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
