@@ -79,6 +79,11 @@ def _source_identity(cfg: DataConfig) -> dict[str, Any]:
         raise ValueError("data.source=file needs data.path (a JSON or JSONL file)")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
+    return file_identity(path)
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """What a cache keyed on a file's contents checks cheaply: its resolved path, size and mtime."""
     st = path.stat()
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 

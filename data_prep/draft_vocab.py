@@ -42,16 +42,15 @@ def count_assistant_tokens(dataset: Any, vocab_size: int) -> np.ndarray:
 
 def _reference_cache_file(source: str, tokenizer: Any, vocab_size: int) -> Path | None:
     """Where the counts of ``source`` are cached; None when it is not an existing file (the loader then says why)."""
-    from data_prep.dataset import tokenizer_fingerprint
+    from data_prep.dataset import file_identity, tokenizer_fingerprint
     from data_prep.sources import sharegpt_path
     from heads.target import cache_root
 
     path = Path(sharegpt_path() if source == "sharegpt" else os.path.expanduser(source))
     if not path.is_file():
         return None
-    st = path.stat()
-    blob = json.dumps({"v": 1, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                       "tok": tokenizer_fingerprint(tokenizer), "V": vocab_size}, sort_keys=True)
+    blob = json.dumps({"v": 1, **file_identity(path), "tok": tokenizer_fingerprint(tokenizer), "V": vocab_size},
+                      sort_keys=True)
     return cache_root() / "vocab_ref" / f"{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
 
 
