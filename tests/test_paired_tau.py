@@ -122,3 +122,30 @@ def test_cluster_and_turn_options_are_checked(tmp_path):
         compare(f"{a}:eagle", f"{b}:eagle3", cluster="prompt")
     with pytest.raises(ValueError, match=r"turn=1: .* has no rows for that turn"):
         compare(f"{a}:eagle", f"{b}:eagle3", turn=1)
+
+
+def test_plot_runs_summarizes_heads_from_separate_runs(tmp_path, capsys):
+    """scripts/plot_runs.py: τ overall and per category, P(accepted ≥ d) from per-step counts, one PNG."""
+    from scripts.plot_runs import main
+
+    def write(path, method, accepted_by_q):
+        rows = [{"method": method, "setting": "greedy", "question_id": q, "turn": 0, "category": "math" if q else "code",
+                 "steps": len(acc), "accepted_total": sum(acc), "accepted": acc, "tree_depths": [3] * len(acc),
+                 "new_tokens": len(acc) + sum(acc)} for q, acc in enumerate(accepted_by_q)]
+        path.mkdir(parents=True)
+        (path / "results.json").write_text(json.dumps({"rows": rows}))
+
+    write(tmp_path / "a", "medusa", [[0, 1, 2, 0], [1, 1, 0, 0]])  # code: 7/4; math: 6/4; overall 13/8
+    write(tmp_path / "b", "eagle3", [[3, 3], [2, 0, 1]])
+    out = tmp_path / "fig" / "tau.png"
+    assert main([f"out={out}", f"{tmp_path / 'a'}:medusa@Medusa", f"{tmp_path / 'b'}:eagle3"]) == 0
+    heads = json.loads(capsys.readouterr().out)["heads"]
+    med = heads["Medusa"]
+    assert med["tau"] == pytest.approx(13 / 8, abs=1e-4)
+    assert med["per_category"] == {"code": pytest.approx(1.75), "math": pytest.approx(1.5)}
+    assert med["accept_at_depth"] == pytest.approx([4 / 8, 1 / 8, 0.0])
+    assert med["ci95"][0] <= med["tau"] <= med["ci95"][1]
+    assert heads["b:eagle3"]["accept_at_depth"] == pytest.approx([4 / 5, 3 / 5, 2 / 5])
+    assert out.stat().st_size > 10_000
+    assert main([f"out={out}", f"{tmp_path / 'a'}:medusa", "setting=sampled"]) == 2
+    assert "no rows for setting='sampled'" in capsys.readouterr().err
