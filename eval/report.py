@@ -54,7 +54,7 @@ def markdown(result: dict[str, Any]) -> str:
     if h:
         kind = "trained head" if h.get("trained") else "drafter (no trained head in this run)"
         L += ["## Headline", "",
-              f"Best {kind}: **{h['best']}** — τ {_f(h['tau'])}, {_f(h['tokens_per_s'])} tokens/s, "
+              f"Fastest {kind} (greedy tokens/s): **{h['best']}** — τ {_f(h['tau'])}, {_f(h['tokens_per_s'])} tokens/s, "
               f"**{_f(h['speedup_vs_plain'])}×** plain decoding"
               + (f", **{_f(h['speedup_vs_hf_prompt_lookup'])}×** transformers' prompt lookup"
                  if h.get("speedup_vs_hf_prompt_lookup") is not None else "")

@@ -27,4 +27,4 @@ python eval/measure.py "${T[@]}" target.dtype=fp32 data=sharegpt_small out_dir="
   max_questions=2 max_turns=1 max_new_tokens=24 'methods=[plain,prompt_lookup]' \
   +heads.eagle3="$RUN/eagle3/final" +heads.eagle="$RUN/eagle/final" +heads.medusa="$RUN/medusa/final" \
   'temperatures=[0.7]' 'sweep.methods=[]' 'profile.widths=[1,8]' profile.repeats=1 warmup_tokens=2
-grep -m1 "Best trained head" "$RUN/measure/report.md"
+grep -m1 "Fastest trained head" "$RUN/measure/report.md"
