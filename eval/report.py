@@ -10,12 +10,13 @@ Files: ``report.md``, ``tau_by_category.png`` (τ and speedup over plain per cat
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from heads.checkpoint import atomic_write_text
+from heads.checkpoint import atomic_write_bytes, atomic_write_text
 
 LOOKUP = ("prompt_lookup", "hf_prompt_lookup")
 
@@ -150,6 +151,13 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(L) + "\n"
 
 
+def save_png(fig: Any, path: str | Path, dpi: int = 110) -> None:
+    """Render a matplotlib figure to PNG bytes in memory, then write them atomically (no half-written image)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """The three PNGs; matplotlib with the Agg backend (no display)."""
     import matplotlib
@@ -183,7 +191,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     axes[0].set_title(f"τ and speedup by category ({sname})")
     fig.tight_layout()
     files.append(out_dir / "tau_by_category.png")
-    fig.savefig(files[-1], dpi=110)
+    save_png(fig, files[-1])
     plt.close(fig)
 
     # 2. acceptance by depth
@@ -205,7 +213,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.suptitle(f"Acceptance by depth ({sname})")
     fig.tight_layout()
     files.append(out_dir / "accept_by_depth.png")
-    fig.savefig(files[-1], dpi=110)
+    save_png(fig, files[-1])
     plt.close(fig)
 
     # 3. latency profile and speedup vs tree size
@@ -241,7 +249,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
         axes[1].legend(fontsize=7)
     fig.tight_layout()
     files.append(out_dir / "speedup_vs_tree_size.png")
-    fig.savefig(files[-1], dpi=110)
+    save_png(fig, files[-1])
     plt.close(fig)
     return files
 

@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.measure import depth_stats  # noqa: E402
+from eval.report import save_png  # noqa: E402
 from eval.tau import tau  # noqa: E402
 from scripts.paired_tau import load_rows  # noqa: E402
 
@@ -73,14 +74,14 @@ def plot(heads: dict[str, dict[str, Any]], out: Path, title: str) -> None:
     axes[1].set_ylim(0, 1.02)
     axes[1].grid(alpha=0.3)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    save_png(fig, out)
     plt.close(fig)
 
 
 def main(argv: list[str]) -> int:
-    opts = {k: v for k, v in (a.split("=", 1) for a in argv if ":" not in a and "=" in a)}
-    specs = [a for a in argv if ":" in a]
+    keys = ("out=", "setting=", "turn=")
+    opts = dict(a.split("=", 1) for a in argv if a.startswith(keys))
+    specs = [a for a in argv if not a.startswith(keys)]  # RUN:METHOD[@LABEL]; load_rows names a malformed one
     if not specs or "out" not in opts:
         print(__doc__)
         return 2

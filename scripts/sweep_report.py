@@ -152,7 +152,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     axes[0].set_title("τ vs size")
     axes[1].set_title("τ vs training throughput")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from eval.report import save_png
+
+    save_png(fig, path)
     plt.close(fig)
     return True
 

@@ -1,6 +1,7 @@
 """scripts/paired_tau.py: paired bootstrap of target forwards between two measure runs (toy results files)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,35 @@ def test_plot_runs_summarizes_heads_from_separate_runs(tmp_path, capsys):
     assert out.stat().st_size > 10_000
     assert main([f"out={out}", f"{tmp_path / 'a'}:medusa", "setting=sampled"]) == 2
     assert "no rows for setting='sampled'" in capsys.readouterr().err
+    assert main([f"out={out}", str(tmp_path / "a")]) == 2  # no :METHOD
+    assert "expected RUN:METHOD" in capsys.readouterr().err
+
+
+def test_save_png_never_leaves_a_half_written_image(tmp_path):
+    """eval.report.save_png renders in memory and renames into place: a failed render keeps the old file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from eval.report import save_png
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    out = tmp_path / "fig.png"
+    save_png(fig, out)
+    good = out.read_bytes()
+    assert good[:8] == b"\x89PNG\r\n\x1a\n" and len(good) > 1000
+
+    def broken(target, *a, **k):  # dies halfway through writing, wherever it writes
+        if hasattr(target, "write"):
+            target.write(b"\x89PNG half")
+        else:
+            Path(target).write_bytes(b"\x89PNG half")
+        raise RuntimeError("renderer died")
+
+    fig.savefig = broken
+    with pytest.raises(RuntimeError, match="renderer died"):
+        save_png(fig, out)
+    assert out.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["fig.png"]
+    plt.close(fig)
