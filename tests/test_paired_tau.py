@@ -1,6 +1,7 @@
 """scripts/paired_tau.py: paired bootstrap of target forwards between two measure runs (toy results files)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,9 @@ def test_save_png_never_leaves_a_half_written_image(tmp_path):
     save_png(fig, out)
     good = out.read_bytes()
     assert good[:8] == b"\x89PNG\r\n\x1a\n" and len(good) > 1000
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask  # what a plain open() would give, not mkstemp's 0600
 
     def broken(target, *a, **k):  # dies halfway through writing, wherever it writes
         if hasattr(target, "write"):
