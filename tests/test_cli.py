@@ -1,0 +1,47 @@
+"""The `draftheads` command finds each job's entry file and hands the command line to it unchanged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftheads import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_command_resolves_to_its_entry_file() -> None:
+    for name, (module, _) in cli.JOBS.items():
+        cmd = cli.resolve([name, "a=1"])
+        assert cmd[0] == sys.executable and cmd[2:] == ["a=1"]
+        assert Path(cmd[1]) == REPO / (module.replace(".", "/") + ".py"), name
+    for fam in cli.FAMILIES:
+        assert Path(cli.resolve(["train", fam, "train.max_steps=3"])[1]) == REPO / "train" / f"{fam}.py"
+    assert cli.resolve(["compare", "STEPS=2"])[1:] == [str(REPO / "scripts" / "compare_families.sh"), "STEPS=2"]
+
+
+def test_help_lists_every_command() -> None:
+    text = cli.usage()
+    for name in [*cli.JOBS, "compare"]:
+        assert f"\n  {name} " in text
+    assert "train {medusa|eagle|eagle3}" in text
+
+
+@pytest.mark.parametrize("argv, needle", [(["trian"], "unknown command 'trian'"),
+                                          (["train"], "needs a family, got nothing"),
+                                          (["train", "gpt"], "needs a family, got 'gpt'; allowed: medusa, eagle, eagle3")])
+def test_bad_command_is_one_message_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_command_passes_hydra_flags_through() -> None:
+    """`draftheads prepare --cfg job data.max_length=77` prints the prepare job's composed config."""
+    out = subprocess.run([sys.executable, "-m", "draftheads.cli", "prepare", "--cfg", "job", "data.max_length=77"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "max_length: 77" in out.stdout and "target:" in out.stdout
