@@ -3,7 +3,8 @@
 # core (OMP_NUM_THREADS=1, default MAXQ=10, the other core busy):
 #   1. prepare a small ShareGPT slice (tokenized with the target's chat template, assistant-only masks)
 #   2. train 4 Medusa heads on the frozen target
-#   3. evaluate untrained (identity-initialized) and trained heads on the held-out split: τ tables
+#   3. evaluate untrained (identity-initialized) and trained heads (and the zoo head, if present) on the held-out
+#      split: τ, tokens/s and × plain decoding per column
 # Override anything Hydra-style through env vars, e.g. STEPS=50 bash scripts/quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,8 +19,14 @@ QARG=(); [ -n "$QUESTIONS" ] && QARG=(questions="$QUESTIONS")
 python data_prep/prepare.py data=sharegpt_small
 python train/medusa.py data=sharegpt_small run_name=quickstart out_dir="$RUN" \
   train.max_steps="$STEPS" train.batch_size=4 head.share_lm_head=true optim.lr=2e-3 train.save_every=50
-for d in medusa-init medusa; do
-  python eval/acceptance.py data=sharegpt_small drafter=$d checkpoint="$RUN/final" "${QARG[@]}" \
-    max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW" tree.size=64 out="$RUN/eval-$d.json"
-done
-python scripts/compare.py "$RUN/eval-medusa-init.json" "$RUN/eval-medusa.json"
+EVAL=(data=sharegpt_small "${QARG[@]}" max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW")
+# the trained head also decodes plainly on the same questions: the table's plain column and × plain row
+python eval/acceptance.py "${EVAL[@]}" drafter=medusa checkpoint="$RUN/final" compare_plain=true out="$RUN/eval-medusa.json"
+python eval/acceptance.py "${EVAL[@]}" drafter=medusa-init checkpoint="$RUN/final" out="$RUN/eval-medusa-init.json"
+RESULTS=("$RUN/eval-medusa-init.json" "$RUN/eval-medusa.json")
+ZOO=${ZOO:-zoo/smollm2-135m-instruct-eagle3}   # the published head, when the repo carries one: what a good head buys
+if [ -d "$ZOO" ]; then
+  python eval/acceptance.py "${EVAL[@]}" checkpoint="$ZOO" out="$RUN/eval-zoo.json"
+  RESULTS+=("$RUN/eval-zoo.json")
+fi
+python scripts/compare.py "${RESULTS[@]}"
