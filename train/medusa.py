@@ -18,7 +18,8 @@ from torch import nn
 from data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget, load_target
-from train.loop import Trainer, lockstep_batches, make_accelerator, resolve_out_dir, save_run_config, write_summary
+from train.loop import (Trainer, build_tau_evaluator, lockstep_batches, make_accelerator, resolve_out_dir,
+                        save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         return {f"heldout_top1/{k + 1}": rank_acc[k][0] for k in range(len(rank_acc))}
 
     trainer = Trainer(cfg, acc, objective, data.train, batch_fn, out_dir, extra, evaluate=evaluate,
-                      heldout=data.heldout)
+                      heldout=data.heldout, tau_eval=build_tau_evaluator(cfg, target, data))
     # ---- loop
     result = trainer.fit()
     # ---- save
