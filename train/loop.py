@@ -966,7 +966,9 @@ class Trainer:
         out: dict[str, Any] = {}
         if acc.is_main_process:
             assert self.tau_eval is not None
-            m = self.tau_eval(self.step, cand)
+            devices = [acc.device] if acc.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):  # loading the head draws init numbers: not from training's
+                m = self.tau_eval(self.step, cand)
             tau = float(m["tau"])
             if int(m.get("turns", 1)) > 0 and (self.tau_best is None or tau > float(self.tau_best["tau"])):
                 self.tau_best = {"step": self.step, "tau": tau}
@@ -1186,10 +1188,16 @@ def build_tau_evaluator(cfg: Any, target: Any, data: Any) -> Callable[[int, Path
     if spec is None or "_target_" not in spec:
         raise ValueError("train.tau_eval.every > 0 needs train.tau_eval.evaluator._target_ (e.g. "
                          "pipeline.tau_eval.TauEvaluator)")
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    return instantiate(spec, target=target, questions=str(data.heldout_questions),
-                       chat_template=cfg.data.get("chat_template"))
+    try:
+        return instantiate(spec, target=target, questions=str(data.heldout_questions),
+                           chat_template=cfg.data.get("chat_template"))
+    except InstantiationException as e:  # a bad setting: the evaluator's own ValueError, which names the key
+        if isinstance(e.__cause__, ValueError):
+            raise e.__cause__ from None
+        raise
 
 
 # ------------------------------------------------------------------------------------------
