@@ -137,6 +137,10 @@ def test_measuring_tau_does_not_change_training_and_every_0_writes_no_best(tmp_p
     assert sorted(_taus(tmp_path / "on")) == [K, 2 * K] and _taus(tmp_path / "off") == {}
     assert not (tmp_path / "off" / "best").exists() and (tmp_path / "on" / "best" / "best.json").is_file()
     assert not any(k.startswith("tau_eval/") for r in off for k in r)
+    # a τ step also refreshes the held-out metrics, with the simulated τ over conf/head/medusa.yaml's sim_tree
+    for r in on:
+        if "tau_eval/tau" in r:
+            assert 1.0 <= r["sim_tau/chain"] <= r["sim_tau/tree"] and "heldout_top1/1" in r, r
     # the evaluator's own random draws (building the drafter) never reach training's RNG streams
     loss = lambda rows: {r["step"]: r["loss"] for r in rows if "loss" in r}  # noqa: E731
     assert loss(on) == loss(off)
@@ -187,11 +191,16 @@ def test_bad_tau_eval_settings_fail_naming_the_key(tmp_path, word_target_dir, di
             _run("medusa", word_target_dir, distilled_file, tmp_path / "bad", **{key: value, "train.max_steps": 1})
 
 
-def test_train_reaches_the_evaluator_only_through_config():
-    """train/*.py import neither pipeline/ nor eval/ for τ (issue 25); the evaluator is a ``_target_`` string."""
+def test_train_imports_neither_eval_nor_pipeline():
+    """Issue 25: training does not depend on evaluation. The τ evaluator, the eval after training and Medusa's
+    simulated-τ tree reach train/ as ``_target_`` strings in conf/, instantiated at run time."""
     for path in sorted((REPO / "train").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            assert not any(n == "pipeline" or n.startswith("pipeline.") for n in names), (path, names)
-    assert compose("medusa", []).train.tau_eval.evaluator._target_ == "pipeline.tau_eval.TauEvaluator"
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            bad = [n for n in names if n.split(".")[0] in ("eval", "pipeline")]
+            assert not bad, f"{path.relative_to(REPO)}:{node.lineno} imports {bad}"
+    cfg = compose("medusa", [])
+    assert cfg.train.tau_eval.evaluator._target_ == "pipeline.tau_eval.TauEvaluator"
+    assert cfg.train.eval_after._target_ == "pipeline.eval_after.EvalAfter"
+    assert cfg.head.sim_tree._target_ == "eval.trees.default_tree"

@@ -1204,52 +1204,21 @@ def build_tau_evaluator(cfg: Any, target: Any, data: Any) -> Callable[[int, Path
 # Evaluate after training (one sweep job = train + eval)
 # ------------------------------------------------------------------------------------------
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-def compose_config(name: str, overrides: Sequence[str] = ()) -> Any:
-    """Compose a shipped config from inside a Hydra job (its search path is conf/) or from plain code."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        return compose(config_name=name, overrides=list(overrides))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
-
-
 def run_eval_after(cfg: Any, final_dir: Path, out_dir: Path) -> dict[str, Any] | None:
-    """``train.eval_after.enabled``: run eval/acceptance.py on the final head (rank 0), write out_dir/eval.json.
-
-    The eval config is conf/eval.yaml with the run's own target and data (so the held-out split is the
-    one this run never trained on) and the ``train.eval_after`` fields on top (questions, max_questions, ...)."""
+    """``train.eval_after.enabled``: the runner ``train.eval_after._target_`` names (pipeline/eval_after.py: eval/
+    acceptance.py on the final head, writing out_dir/eval.json; rank 0), instantiated with the other fields."""
     ea = cfg.train.get("eval_after")
     if ea is None or not bool(ea.get("enabled", False)):
         return None
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import OmegaConf
 
-    evcfg = compose_config("eval")
-    with open_dict(evcfg):
-        evcfg.target = OmegaConf.to_container(cfg.target, resolve=True)
-        evcfg.data = OmegaConf.to_container(cfg.data, resolve=True)
-        evcfg.checkpoint = str(final_dir)
-        evcfg.out = str(Path(out_dir) / "eval.json")
-        for k, v in OmegaConf.to_container(ea, resolve=True).items():
-            if k == "enabled":
-                continue
-            if k not in evcfg:
-                raise ValueError(f"train.eval_after.{k} is not an eval setting (see conf/eval.yaml)")
-            if isinstance(v, dict):
-                evcfg[k] = OmegaConf.merge(evcfg[k], v)
-            else:
-                evcfg[k] = v
-    from eval.acceptance import main as eval_main
+    spec = {k: v for k, v in OmegaConf.to_container(ea, resolve=True).items() if k != "enabled"}
+    if "_target_" not in spec:
+        raise ValueError("train.eval_after.enabled=true needs train.eval_after._target_ (e.g. "
+                         "pipeline.eval_after.EvalAfter)")
+    from hydra.utils import instantiate
 
-    t0 = time.perf_counter()
-    res = eval_main(evcfg)
-    s = res["summary"]
-    return {"tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "accept_at_depth": s["accept_at_depth"],
-            "turns": s["turns"], "seconds": round(time.perf_counter() - t0, 1), "file": str(evcfg.out)}
+    return instantiate(spec)(cfg, final_dir, out_dir)
 
 
 # ------------------------------------------------------------------------------------------
