@@ -204,3 +204,34 @@ def test_train_imports_neither_eval_nor_pipeline():
     assert cfg.train.tau_eval.evaluator._target_ == "pipeline.tau_eval.TauEvaluator"
     assert cfg.train.eval_after._target_ == "pipeline.eval_after.EvalAfter"
     assert cfg.head.sim_tree._target_ == "eval.trees.default_tree"
+
+
+@pytest.mark.slow
+def test_two_process_run_measures_tau_on_rank_0_while_the_other_waits(tmp_path, word_target_dir, distilled_file):
+    """DDP over gloo, 2 processes × batch 4 (the same global batch as 1 × 8): rank 0 alone decodes, rank 1 waits at
+    the barrier, both carry on; τ, best/ and the logged bookkeeping match the single-process run."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    kw = {**TAU, "train.max_steps": 2 * K, "head.num_heads": 3}
+    single = tmp_path / "single"
+    _run("medusa", word_target_dir, distilled_file, single, **kw)
+    ddp = tmp_path / "ddp"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "conf/launch/ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", str(port), str(REPO / "train" / "medusa.py"),
+           *tiny_train_overrides(word_target_dir, distilled_file, ddp, **{**kw, "train.batch_size": 4}),
+           f"hydra.run.dir={ddp}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert json.loads((ddp / "summary.json").read_text())["launch"]["num_processes"] == 2
+    assert sorted(_taus(ddp)) == [K, 2 * K]
+    assert _taus(ddp) == pytest.approx(_taus(single), abs=0.05)
+    info = json.loads((ddp / "best" / "best.json").read_text())
+    assert info["tau"] == max(_taus(ddp).values())
+    assert not (ddp / ".tau-candidate").exists()
