@@ -235,3 +235,30 @@ def test_two_process_run_measures_tau_on_rank_0_while_the_other_waits(tmp_path, 
     info = json.loads((ddp / "best" / "best.json").read_text())
     assert info["tau"] == max(_taus(ddp).values())
     assert not (ddp / ".tau-candidate").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_smollm2_eagle3_best_is_what_the_eval_job_measures(tmp_path):
+    """The embedded SmolLM2-135M: a few EAGLE-3 steps with τ measured every 2 steps; the eval job
+    (eval/acceptance.py) on best/ with the same held-out prompts and settings reports the τ best.json records."""
+    from eval.acceptance import main as eval_main
+    from train.eagle3 import main as train_main
+
+    out = tmp_path / "run"
+    summary = train_main(compose("eagle3", [
+        "data=sharegpt_small", "data.max_conversations=60", "data.max_length=128", "data.heldout_fraction=0.1",
+        f"data.cache_dir={tmp_path / 'data'}", f"out_dir={out}", "logging.wandb=disabled", "train.device=cpu",
+        "train.batch_size=2", "train.max_steps=4", "train.log_every=1", "train.save_every=0", "train.eval_tokens=300",
+        "train.sim_tau_examples=2", "head.draft_vocab_size=4000", "head.ttt_steps=2", "optim.lr=1e-3",
+        "optim.warmup_steps=0", "train.tau_eval.every=2", "train.tau_eval.evaluator.prompts=2",
+        "train.tau_eval.evaluator.max_new_tokens=24"]))
+    taus = _taus(out)
+    assert sorted(taus) == [2, 4] and all(t >= 1.0 for t in taus.values())
+    info = json.loads((out / "best" / "best.json").read_text())
+    assert summary["tau_best"] == {"step": info["step"], "tau": info["tau"]} and info["tau"] == max(taus.values())
+    heldout_q = next((tmp_path / "data").rglob("heldout_questions.jsonl"))
+    res = eval_main(compose("eval", [
+        f"checkpoint={out / 'best'}", f"questions={heldout_q}", "max_questions=2", "max_turns=1",
+        "max_new_tokens=24", "data=sharegpt_small", f"out={tmp_path / 'eval.json'}"]))
+    assert res["drafter"]["drafter"] == "eagle3" and res["summary"]["tau"] == info["tau"]
