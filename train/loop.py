@@ -1171,8 +1171,8 @@ class Trainer:
 
 def tau_every(cfg: Any) -> int:
     """``train.tau_eval.every`` checked: steps between measured-τ evaluations, 0 = off."""
-    te = cfg.train.get("tau_eval") or {}
-    every = te.get("every", 0) if hasattr(te, "get") else te
+    te = cfg.train.get("tau_eval")
+    every = 0 if te is None else te.get("every", 0)
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ValueError(f"train.tau_eval.every must be a whole number of steps >= 0 (0: off), got {every!r}")
     return every
