@@ -46,17 +46,17 @@ def word_target_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def distilled_file(tmp_path_factory, word_target_dir) -> Path:
-    """The target's own greedy answers to 240 synthetic prompts (data_prep/distill.py, the real job)."""
+    """The target's own greedy answers to 120 synthetic prompts (data_prep/distill.py, the real job)."""
     from data_prep.distill import main as distill_main
 
     d = tmp_path_factory.mktemp("distilled")
     chats = d / "chats.jsonl"
-    chats.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(240)))
+    chats.write_text("".join(json.dumps(c) + "\n" for c in synthetic_conversations(120)))
     out = d / "distilled.jsonl"
     distill_main(compose("distill", [
         "target=hf", f"target.name={word_target_dir}", "target.dtype=fp32", "target.local_files_only=true",
         "data=file", f"data.path={chats}", "data.heldout_fraction=0.0", "num_conversations=null", "batch_size=32",
-        "max_new_tokens=24", "device=cpu", f"out={out}"]))
+        "max_new_tokens=16", "device=cpu", f"out={out}"]))
     return out
 
 
