@@ -410,6 +410,7 @@ def test_simulated_tau_is_logged_with_each_evaluation(tmp_path, tiny_target_dir,
 
     from data_prep.dataset import collate
     from eval.generate import NoDrafter, generate
+    from eval.trees import default_tree
     from heads.medusa import MedusaHeads, medusa_config_for
     from heads.target import load_target
     from train.loop import Trainer, make_accelerator
@@ -428,8 +429,8 @@ def test_simulated_tau_is_logged_with_each_evaluation(tmp_path, tiny_target_dir,
     data = Dataset.from_list(rows)
     acc = make_accelerator(cfg)
     heads = MedusaHeads(medusa_config_for(tgt, 2, 1, False), tgt.lm_head())
-    trainer = Trainer(cfg, acc, MedusaObjective(heads, tgt), data, lambda r: collate(r, 0), tmp_path / "run",
-                      heldout=data)
+    obj = MedusaObjective(heads, tgt, sim_tree=default_tree)  # what conf/head/medusa.yaml's sim_tree builds
+    trainer = Trainer(cfg, acc, obj, data, lambda r: collate(r, 0), tmp_path / "run", heldout=data)
     trainer.fit()
     evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if "sim_tau/chain" in r]

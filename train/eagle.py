@@ -28,8 +28,8 @@ from data_prep.features import batch_hidden
 from heads.eagle import EagleDraft, eagle_config_for
 from heads.target import FrozenTarget, load_target
 from train.common import draft_sequence, feature_source, heldout_evaluator
-from train.loop import (Trainer, greedy_windows, make_accelerator, reference_ranks, resolve_out_dir, save_run_config,
-                        write_summary)
+from train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accelerator, reference_ranks,
+                        resolve_out_dir, save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
                                  extra, HELDOUT_NAMES)
     # held-out rows (metrics, simulated τ) always go through the target: online features
     trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
-                      heldout=data.heldout, heldout_collate=feats.heldout_collate)
+                      heldout=data.heldout, heldout_collate=feats.heldout_collate,
+                      tau_eval=build_tau_evaluator(cfg, target, data))
     return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": feats.source}
 
 

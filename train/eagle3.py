@@ -46,8 +46,8 @@ from data_prep.features import batch_hidden
 from heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from heads.target import FrozenTarget, load_target
 from train.common import draft_sequence, feature_source, heldout_evaluator
-from train.loop import (Trainer, greedy_windows, list_checkpoints, make_accelerator, reference_ranks, resolve_out_dir,
-                        save_run_config, write_summary)
+from train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, make_accelerator,
+                        reference_ranks, resolve_out_dir, save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +328,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     # through acceptance_ranks): held-out rows always go through the target (online features).
     evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens), extra)
     trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
-                      heldout=data.heldout, heldout_collate=feats.heldout_collate)
+                      heldout=data.heldout, heldout_collate=feats.heldout_collate,
+                      tau_eval=build_tau_evaluator(cfg, target, data))
     return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": feats.source,
             "vocab": vocab_info}
 

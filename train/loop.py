@@ -545,6 +545,7 @@ class TrainResult:
     peak_loop_memory_mb_per_rank: list[float] = field(default_factory=list)  # peak RSS during fit() only
     trainable_params: int = 0
     eval: dict[str, Any] | None = None  # eval_after summary (tau, tokens/s), rank 0 only
+    tau_best: dict[str, Any] | None = None  # train.tau_eval: {"step", "tau"} of the head kept in best/
 
     def summary_fields(self) -> dict[str, Any]:
         """What every family's summary.json carries about scale-out (the sweep report reads these)."""
@@ -552,7 +553,7 @@ class TrainResult:
                 "trainable_params": self.trainable_params,
                 "peak_rss_mb_per_rank": [round(x, 1) for x in self.peak_memory_mb_per_rank],
                 "peak_rss_loop_mb_per_rank": [round(x, 1) for x in self.peak_loop_memory_mb_per_rank],
-                "eval": self.eval}
+                "eval": self.eval, "tau_best": self.tau_best}
 
 
 def _peak_rss_mb() -> float:
@@ -590,7 +591,8 @@ class Trainer:
     def __init__(self, cfg: Any, accelerator: Any, objective: nn.Module, train_data: Any, collate: Callable,
                  out_dir: Path, checkpoint_extra: dict[str, Any] | None = None,
                  evaluate: Callable[[int], dict] | None = None, heldout: Any = None,
-                 heldout_collate: Callable | None = None):
+                 heldout_collate: Callable | None = None,
+                 tau_eval: Callable[[int, Path], dict[str, Any]] | None = None):
         self.cfg = cfg
         self.acc = accelerator
         self.objective = objective
@@ -638,6 +640,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self._init_tau_eval(tau_eval)
         self.launch = {**launch_info(self.acc, self.mode), "target_sharding": self.target_sharding,
                        "engine": type(self.model).__name__}
 
@@ -740,13 +743,14 @@ class Trainer:
             torch.save(self._opt().state_dict(), ts / "optimizer.pt")
         if acc.is_main_process:
             torch.save(self.scheduler.state_dict(), ts / "scheduler.pt")
+            self._save_tau_best(ts)
         acc.wait_for_everyone()
         if acc.is_main_process:
             (ts / "state.json").write_text(json.dumps({
                 "step": self.step, "global_batch": self.batches.global_batch, "world": acc.num_processes,
                 "data_position": self.step * self.batches.global_batch,
                 "epoch": round(self.batches.epoch_of(self.step), 6), "seed": int(self.cfg.train.seed),
-                "max_steps": self.max_steps, "launch": self.launch}))
+                "max_steps": self.max_steps, "launch": self.launch, "tau_best": self.tau_best}))
             if final_dir.exists():
                 shutil.rmtree(final_dir)
             os.replace(tmp, final_dir)
@@ -813,6 +817,7 @@ class Trainer:
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
         self.step = step
+        self._resume_tau_best(st, ts)
         if self.metrics_path.is_file() and self.acc.is_main_process:  # drop log lines past the checkpoint
             lines = [ln for ln in self.metrics_path.read_text().splitlines()
                      if ln.strip() and json.loads(ln).get("step", 0) <= step]
@@ -936,6 +941,89 @@ class Trainer:
         out.update(self.simulated_tau())
         return out
 
+    # ------------------------------------------------------------------ measured τ, best/ (train.tau_eval)
+    def _init_tau_eval(self, tau_eval: Callable[[int, Path], dict[str, Any]] | None) -> None:
+        """``train.tau_eval.every`` > 0 with an evaluator (``build_tau_evaluator``): measure τ every N steps and at
+        the end, keep ``best/``. The evaluator runs on rank 0 alone, so the frozen target must be whole there."""
+        self.tau_eval = tau_eval
+        self.tau_every = tau_every(self.cfg) if tau_eval is not None else 0
+        self.tau_best: dict[str, Any] | None = None  # {"step", "tau"} of best/; saved in every checkpoint
+        if self.tau_every > 0 and self.target_sharding is not None:
+            raise ValueError("train.tau_eval.every > 0 decodes with the frozen target on rank 0 alone, but this launch "
+                             "shards it (train.shard_target): set train.shard_target=false or train.tau_eval.every=0")
+
+    def measure_tau(self) -> dict[str, Any]:
+        """Write the current head (gathered on rank 0 in every launch mode), measure τ on rank 0 while the other
+        ranks wait, and copy the head into ``best/`` when its τ beats the best so far (a tie keeps the earlier).
+        Returns ``tau_eval/*`` metrics, the same on every rank."""
+        acc = self.acc
+        cand = self.out_dir / ".tau-candidate"
+        if acc.is_main_process:
+            shutil.rmtree(cand, ignore_errors=True)
+        acc.wait_for_everyone()
+        self._write_head(cand, {**self.extra, "step": self.step})
+        acc.wait_for_everyone()
+        out: dict[str, Any] = {}
+        if acc.is_main_process:
+            assert self.tau_eval is not None
+            devices = [acc.device] if acc.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):  # loading the head draws init numbers: not from training's
+                m = self.tau_eval(self.step, cand)
+            tau = float(m["tau"])
+            if int(m.get("turns", 1)) > 0 and (self.tau_best is None or tau > float(self.tau_best["tau"])):
+                self.tau_best = {"step": self.step, "tau": tau}
+                with atomic_dir(self.out_dir / "best") as tmp:
+                    for f in ("config.json", "model.safetensors"):
+                        shutil.copy2(cand / f, tmp / f)
+                    (tmp / "best.json").write_text(json.dumps(
+                        {**self.tau_best, "selected_by": "measured tau (train.tau_eval, greedy)", "metrics": m},
+                        indent=2))
+            shutil.rmtree(cand, ignore_errors=True)
+            out = {f"tau_eval/{k}": v for k, v in m.items()}
+            if self.tau_best is not None:
+                out["tau_eval/best_tau"], out["tau_eval/best_step"] = self.tau_best["tau"], self.tau_best["step"]
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            box = broadcast_object_list([out, self.tau_best], from_process=0)
+            out, self.tau_best = box[0], box[1]
+        return out
+
+    def _save_tau_best(self, ts: Path) -> None:
+        """Rank 0: ``trainer_state/tau_best/`` holds best/'s files as of this checkpoint (hard links: no copy), so a
+        resume can put back the best/ this checkpoint knew, even if a later step had replaced it."""
+        best = self.out_dir / "best"
+        if self.tau_best is None or not (best / "best.json").is_file():
+            return
+        (ts / "tau_best").mkdir()
+        for f in ("config.json", "model.safetensors", "best.json"):
+            try:
+                os.link(best / f, ts / "tau_best" / f)
+            except OSError:  # another filesystem or no hard links
+                shutil.copy2(best / f, ts / "tau_best" / f)
+
+    def _resume_tau_best(self, st: dict[str, Any], ts: Path) -> None:
+        """Take the best-τ bookkeeping from the checkpoint, and make best/ agree with it: a best/ written after the
+        checkpoint (the job died later) is replaced by the checkpoint's copy, or removed if it had none."""
+        self.tau_best = st.get("tau_best")
+        if self.tau_every <= 0 or not self.acc.is_main_process:
+            return
+        best = self.out_dir / "best"
+        on_disk = json.loads((best / "best.json").read_text()) if (best / "best.json").is_file() else None
+        want = self.tau_best
+        if on_disk is not None and want is not None and int(on_disk["step"]) == int(want["step"]):
+            return
+        if want is None:
+            shutil.rmtree(best, ignore_errors=True)
+        elif (ts / "tau_best" / "best.json").is_file():
+            with atomic_dir(best) as tmp:
+                for f in ("config.json", "model.safetensors", "best.json"):
+                    shutil.copy2(ts / "tau_best" / f, tmp / f)
+        else:
+            raise ValueError(f"cannot resume the best-τ bookkeeping: {ts / 'state.json'} names step {want['step']} "
+                             f"(τ {want['tau']}) as best, but {ts / 'tau_best'} is missing")
+        log.info("best/ set back to the checkpoint's: %s", want)
+
     def fit(self, stop_after: int | None = None) -> TrainResult:
         """Train until max_steps (or ``stop_after`` more steps, for tests); save on schedule and at the end."""
         from tqdm.auto import tqdm
@@ -961,16 +1049,19 @@ class Trainer:
             bar.set_postfix(loss=f"{m['loss']:.3f}")
             ev = int(t.get("eval_every") or 0)
             eval_now = ev > 0 and self.step % ev == 0 and self.step < self.max_steps
+            tau_now = self.tau_every > 0 and self.step % self.tau_every == 0 and self.step < self.max_steps
             # an eval step always writes a row, so eval_every need not be a multiple of log_every
-            if self.step % int(t.log_every) == 0 or self.step == self.max_steps or eval_now:
+            if self.step % int(t.log_every) == 0 or self.step == self.max_steps or eval_now or tau_now:
                 row = {k: float(np.mean([w[k] for w in window if k in w])) for k in window[-1]}
                 row["step"] = self.step
                 row["epoch"] = round(self.batches.epoch_of(self.step), 4)
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 row["tokens_per_s"] = tokens / elapsed
                 row["steps_per_s"] = (self.step - start_step) / elapsed
-                if eval_now:
-                    row.update(self._eval_metrics())
+                if eval_now or tau_now:  # a τ step refreshes the held-out metrics first: what they put in the
+                    row.update(self._eval_metrics())  # head file (Medusa's tuned tree) is what final/ would carry
+                if tau_now:
+                    row.update(self.measure_tau())
                 window = []
                 self.history.append(row)
                 if acc.is_main_process:
@@ -984,6 +1075,8 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         if self.step == self.max_steps:
             final_eval = self._eval_metrics()
+            if self.tau_every > 0:  # the final head is always a best/ candidate, measured like the others
+                final_eval.update(self.measure_tau())
             if final_eval:
                 if self.history:
                     self.history[-1].update(final_eval)
@@ -1008,7 +1101,7 @@ class Trainer:
                              tokens / max(elapsed, 1e-9), _peak_rss_mb(), steps_per_s=steps_done / max(elapsed, 1e-9),
                              launch=self.launch, peak_memory_mb_per_rank=rss_all[:, 0].tolist(),
                              peak_loop_memory_mb_per_rank=rss_all[:, 1].tolist(),
-                             trainable_params=self.trainable_params)
+                             trainable_params=self.trainable_params, tau_best=self.tau_best)
         if acc.is_main_process and self.step == self.max_steps:
             result.eval = run_eval_after(self.cfg, final_dir, self.out_dir)
             if result.eval is not None and wandb_run is not None:
@@ -1050,7 +1143,16 @@ class Trainer:
 
         steps = [r["step"] for r in self.history]
         acc_keys = sorted(k for k in self.history[-1] if k.startswith("top1/"))
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        taus = [(r["step"], r["tau_eval/tau"]) for r in self.history if "tau_eval/tau" in r]
+        fig, axes = plt.subplots(1, 3 if taus else 2, figsize=(15 if taus else 10, 3.5))
+        if taus:  # train.tau_eval: measured τ per evaluation, best/'s step marked
+            axes[2].plot([x for x, _ in taus], [y for _, y in taus], marker="o")
+            if self.tau_best is not None:
+                axes[2].axvline(self.tau_best["step"], color="gray", linestyle=":",
+                                label=f"best/ (step {self.tau_best['step']})")
+                axes[2].legend(fontsize=7)
+            axes[2].set_xlabel("step"), axes[2].set_ylabel("τ (greedy)")
+            axes[2].set_title("measured τ, held-out prompts")
         axes[0].plot(steps, [r["loss"] for r in self.history])
         axes[0].set_xlabel("step"), axes[0].set_ylabel("loss"), axes[0].set_title("training loss")
         for k in acc_keys:
@@ -1064,55 +1166,59 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------------------
+# Measured τ during training (train.tau_eval): the evaluator comes from config, not from an import
+# ------------------------------------------------------------------------------------------
+
+def tau_every(cfg: Any) -> int:
+    """``train.tau_eval.every`` checked: steps between measured-τ evaluations, 0 = off."""
+    te = cfg.train.get("tau_eval")
+    every = 0 if te is None else te.get("every", 0)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"train.tau_eval.every must be a whole number of steps >= 0 (0: off), got {every!r}")
+    return every
+
+
+def build_tau_evaluator(cfg: Any, target: Any, data: Any) -> Callable[[int, Path], dict[str, Any]] | None:
+    """The periodic evaluator ``train.tau_eval.evaluator`` names (``_target_``, instantiated here, so the
+    implementation - pipeline/tau_eval.py, which uses eval/ - is imported through config, never by train/),
+    given the run's frozen target and the prepared data's held-out questions. None when ``every`` is 0."""
+    if tau_every(cfg) == 0:
+        return None
+    spec = cfg.train.tau_eval.get("evaluator")
+    if spec is None or "_target_" not in spec:
+        raise ValueError("train.tau_eval.every > 0 needs train.tau_eval.evaluator._target_ (e.g. "
+                         "pipeline.tau_eval.TauEvaluator)")
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(spec, target=target, questions=str(data.heldout_questions),
+                           chat_template=cfg.data.get("chat_template"))
+    except InstantiationException as e:  # a bad setting: the evaluator's own ValueError, which names the key
+        if isinstance(e.__cause__, ValueError):
+            raise e.__cause__ from None
+        raise
+
+
+# ------------------------------------------------------------------------------------------
 # Evaluate after training (one sweep job = train + eval)
 # ------------------------------------------------------------------------------------------
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-def compose_config(name: str, overrides: Sequence[str] = ()) -> Any:
-    """Compose a shipped config from inside a Hydra job (its search path is conf/) or from plain code."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        return compose(config_name=name, overrides=list(overrides))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name=name, overrides=list(overrides))
-
-
 def run_eval_after(cfg: Any, final_dir: Path, out_dir: Path) -> dict[str, Any] | None:
-    """``train.eval_after.enabled``: run eval/acceptance.py on the final head (rank 0), write out_dir/eval.json.
-
-    The eval config is conf/eval.yaml with the run's own target and data (so the held-out split is the
-    one this run never trained on) and the ``train.eval_after`` fields on top (questions, max_questions, ...)."""
+    """``train.eval_after.enabled``: the runner ``train.eval_after._target_`` names (pipeline/eval_after.py: eval/
+    acceptance.py on the final head, writing out_dir/eval.json; rank 0), instantiated with the other fields."""
     ea = cfg.train.get("eval_after")
     if ea is None or not bool(ea.get("enabled", False)):
         return None
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import OmegaConf
 
-    evcfg = compose_config("eval")
-    with open_dict(evcfg):
-        evcfg.target = OmegaConf.to_container(cfg.target, resolve=True)
-        evcfg.data = OmegaConf.to_container(cfg.data, resolve=True)
-        evcfg.checkpoint = str(final_dir)
-        evcfg.out = str(Path(out_dir) / "eval.json")
-        for k, v in OmegaConf.to_container(ea, resolve=True).items():
-            if k == "enabled":
-                continue
-            if k not in evcfg:
-                raise ValueError(f"train.eval_after.{k} is not an eval setting (see conf/eval.yaml)")
-            if isinstance(v, dict):
-                evcfg[k] = OmegaConf.merge(evcfg[k], v)
-            else:
-                evcfg[k] = v
-    from eval.acceptance import main as eval_main
+    spec = {k: v for k, v in OmegaConf.to_container(ea, resolve=True).items() if k != "enabled"}
+    if "_target_" not in spec:
+        raise ValueError("train.eval_after.enabled=true needs train.eval_after._target_ (e.g. "
+                         "pipeline.eval_after.EvalAfter)")
+    from hydra.utils import instantiate
 
-    t0 = time.perf_counter()
-    res = eval_main(evcfg)
-    s = res["summary"]
-    return {"tau": s["tau"], "tokens_per_s": s["tokens_per_s"], "accept_at_depth": s["accept_at_depth"],
-            "turns": s["turns"], "seconds": round(time.perf_counter() - t0, 1), "file": str(evcfg.out)}
+    return instantiate(spec)(cfg, final_dir, out_dir)
 
 
 # ------------------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ head + summary). ``main(cfg)`` is a plain function; tests call it with a compose
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import hydra
+from hydra.utils import instantiate
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
@@ -18,7 +19,8 @@ from torch import nn
 from data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget, load_target
-from train.loop import Trainer, lockstep_batches, make_accelerator, resolve_out_dir, save_run_config, write_summary
+from train.loop import (Trainer, build_tau_evaluator, lockstep_batches, make_accelerator, resolve_out_dir,
+                        save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +28,12 @@ log = logging.getLogger(__name__)
 class MedusaObjective(nn.Module):
     """Σ_k w^k · CE_k over assistant tokens; head k (1-based) at position t is scored on token t+k+1."""
 
-    def __init__(self, heads: MedusaHeads, target: FrozenTarget, decay: float = 0.8):
+    def __init__(self, heads: MedusaHeads, target: FrozenTarget, decay: float = 0.8,
+                 sim_tree: Callable[..., Any] | None = None):
         super().__init__()
         self.heads = heads
+        # (num_heads, acc=rank accuracies) -> a static tree with .paths (conf/head/medusa.yaml sim_tree); None: chain
+        self.sim_tree = sim_tree
         object.__setattr__(self, "target", target)  # unregistered: never optimized, wrapped or saved
         self.decay = decay
         self.rank_accuracy: list[list[float]] | None = None  # latest held-out per-rank hit rates (tune the tree)
@@ -98,11 +103,12 @@ class MedusaObjective(nn.Module):
             ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, top_k)))
         return torch.stack(ranks, dim=1), int(nxt.sum())
 
-    def sim_tree_paths(self) -> list[tuple[int, ...]]:
-        """The static tree eval would build: tuned to the latest held-out rank accuracies when known."""
-        from eval.trees import default_tree
-
-        return list(default_tree(self.heads.config.num_heads, 64, self.rank_accuracy).paths)
+    def sim_tree_paths(self) -> list[tuple[int, ...]] | None:
+        """The static tree eval would build (``sim_tree``), tuned to the latest held-out rank accuracies when known;
+        None (chain only) without one."""
+        if self.sim_tree is None:
+            return None
+        return list(self.sim_tree(self.heads.config.num_heads, acc=self.rank_accuracy).paths)
 
     @torch.no_grad()
     def rank_hits(self, batch: dict[str, torch.Tensor], top_k: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +168,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         data = prepare_data(cfg.data, target.tokenizer)
     head_cfg = medusa_config_for(target, cfg.head.num_heads, cfg.head.num_layers, cfg.head.share_lm_head)
     heads = MedusaHeads(head_cfg, target.lm_head()).to(acc.device)
-    objective = MedusaObjective(heads, target, float(cfg.head.loss_decay))
+    sim_tree = instantiate(cfg.head.sim_tree) if cfg.head.get("sim_tree") else None
+    objective = MedusaObjective(heads, target, float(cfg.head.loss_decay), sim_tree)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
@@ -185,7 +192,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         return {f"heldout_top1/{k + 1}": rank_acc[k][0] for k in range(len(rank_acc))}
 
     trainer = Trainer(cfg, acc, objective, data.train, batch_fn, out_dir, extra, evaluate=evaluate,
-                      heldout=data.heldout)
+                      heldout=data.heldout, tau_eval=build_tau_evaluator(cfg, target, data))
     # ---- loop
     result = trainer.fit()
     # ---- save
