@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from safetensors import safe_open
@@ -40,6 +39,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from data_prep.dataset import PreparedData, collate, model_inputs, prepare_data
+from heads import job
 from heads.checkpoint import atomic_write_text
 from heads.target import DTYPE_NAMES, FrozenTarget, check_identity, load_target, parse_dtype, resolve_device
 
@@ -392,7 +392,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="features")
+@job.main(config_name="features")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -15,7 +15,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -26,6 +25,7 @@ from eval.drafters import build_drafter
 from eval.generate import GenResult, NoDrafter, generate
 from eval.questions import load_questions
 from eval.tau import tau_value
+from heads import job
 from heads.checkpoint import atomic_write_text
 from heads.target import dtype_name, load_target, resolve_device
 
@@ -157,7 +157,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="eval")
+@job.main(config_name="eval")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

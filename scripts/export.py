@@ -36,7 +36,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
@@ -45,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/export.py` from the repo root
     sys.path.insert(0, str(REPO))
 
+from heads import job  # noqa: E402
 from heads.checkpoint import atomic_dir  # noqa: E402
 from heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
 from heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
@@ -344,7 +344,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="export")
+@job.main(config_name="export")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
 from data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
+from heads import job
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget, load_target
 from train.loop import Trainer, lockstep_batches, make_accelerator, resolve_out_dir, save_run_config, write_summary
@@ -192,7 +192,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return write_summary(acc, out_dir, "medusa", result)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="medusa")
+@job.main(config_name="medusa")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 
