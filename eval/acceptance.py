@@ -23,7 +23,7 @@ from data_prep.dataset import prepare_data
 from data_prep.template import ensure_chat_template, prompt_ids
 from eval.drafters import build_drafter
 from eval.generate import GenResult, NoDrafter, generate
-from eval.questions import load_questions
+from eval.questions import check_eval_limits, load_questions
 from eval.tau import tau_value
 from heads import job
 from heads.checkpoint import atomic_write_text
@@ -116,6 +116,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     torch.manual_seed(int(cfg.seed))
     target = load_target(cfg.target, device=resolve_device(cfg.device))
+    check_eval_limits(cfg, target)  # max_new_tokens=0, prompts past the context: errors, not τ 0.000
     ensure_chat_template(target.tokenizer, cfg.data.chat_template if "data" in cfg else None)
     if cfg.questions:
         qfile = Path(cfg.questions)

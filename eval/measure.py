@@ -44,7 +44,7 @@ from eval.acceptance import first_divergence
 from eval.baselines import DraftModelDrafter
 from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tree_forward
-from eval.questions import load_questions
+from eval.questions import check_eval_limits, load_questions
 from heads import job
 from heads.checkpoint import atomic_write_text
 from eval.tau import paired_forwards, tau
@@ -520,6 +520,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     load_start = _loadavg()
     torch.manual_seed(int(cfg.seed))
     target = load_target(cfg.target, device=resolve_device(cfg.device))
+    check_eval_limits(cfg, target)  # max_new_tokens=0, prompts past the context: errors, not τ 0.000
     ensure_chat_template(target.tokenizer, cfg.data.chat_template if "data" in cfg else None)
     qfile, questions = _questions(cfg, target)
     settings = decoding_settings(cfg)

@@ -3,7 +3,7 @@
 Why: Hydra prints a 15-25-line traceback ("Error executing job ...") before even a clear ``ValueError``
 message, so a user hunting for what to fix reads past the stack first. Entries declare themselves with
 :func:`main` (instead of ``hydra.main``) or run through :func:`cli` (plain ``argparse``/``sys.argv``
-scripts); both share :func:`guarded`.
+scripts); both share :func:`guarded`. :func:`config_int` reads a numeric setting without ``x or default``.
 
 - User errors (:data:`USER_ERRORS`: ``ValueError`` and its subclasses such as ``DataError``, missing or
   wrong files, a required ``???`` config value left unset) print ``error: <message>`` on one line and exit 2.
@@ -122,3 +122,23 @@ def cli(fn: Callable[..., Any], *args: Any) -> None:
     """Run a plain script's ``main(*args)`` and exit: its int return value is the exit code (else 0)."""
     result = guarded(fn)(*args)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+def config_int(cfg: Any, key: str, default: int | None, minimum: int = 1, where: str = "") -> int | None:
+    """``cfg[key]`` as an int >= ``minimum``; a missing key or null means ``default``.
+
+    Why not ``int(cfg.get(key) or default)``: that turns an explicit 0 into the default, so a check on
+    the value can never fire and the run silently uses a setting nobody asked for."""
+    value = cfg.get(key) if cfg is not None else None
+    if value is None:
+        return default
+    name = f"{where}.{key}" if where else key
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if out != value and not isinstance(value, str):  # 2.5 is not 2
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if out < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+    return out

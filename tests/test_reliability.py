@@ -140,3 +140,152 @@ def error_line(p: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1, p.stderr[-3000:]
     return lines[0]
+
+
+# --------------------------------------------------------------------------- silent wrong results -> errors
+
+def test_config_int_keeps_an_explicit_zero():
+    assert job.config_int({"n": None}, "n", 60) == 60 and job.config_int({}, "n", 60) == 60
+    assert job.config_int({"n": 7}, "n", 60) == 7
+    for bad in (0, -1, 2.5, "x"):
+        with pytest.raises(ValueError, match="tree.n must be"):
+            job.config_int({"n": bad}, "n", 60, 1, "tree")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.grad_accum=0", "train.grad_accum must be >= 1, got 0"),
+    ("train.batch_size=0", "train.batch_size must be >= 1, got 0"),
+    ("train.max_steps=0", "train.max_steps must be >= 1, got 0"),
+    ("train.save_every=-1", "train.save_every must be >= 0, got -1"),
+])
+def test_training_settings_that_trained_nothing_are_errors(tmp_path, override, message):
+    from conftest import compose
+    from train.loop import make_accelerator
+
+    cfg = compose("medusa", ["logging.wandb=disabled", "train.device=cpu", override])
+    with pytest.raises(ValueError, match=message):
+        make_accelerator(cfg)
+
+
+def test_cuda_without_cuda_is_an_error(monkeypatch):
+    import torch
+
+    from conftest import compose
+    from train.loop import make_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="train.device=cuda was asked for but torch sees no CUDA GPU"):
+        make_accelerator(compose("medusa", ["train.device=cuda"]))
+
+
+def test_zero_tree_sizes_are_errors_not_defaults():
+    from omegaconf import OmegaConf
+
+    from eval.drafters import medusa_tree
+    from eval.eagle_drafter import EagleTreeConfig
+
+    for key in ("nodes", "depth", "top_k"):
+        with pytest.raises(ValueError, match=f"tree.{key} must be >= 1, got 0"):
+            EagleTreeConfig.from_any({"kind": "dynamic", key: 0})
+    assert EagleTreeConfig.from_any({"kind": "dynamic", "nodes": None}).nodes == 60
+    with pytest.raises(ValueError, match="tree.max_depth must be >= 1, got 0"):
+        medusa_tree(OmegaConf.create({"max_depth": 0, "size": 8}), 3, None)
+    assert medusa_tree(OmegaConf.create({"max_depth": None, "size": 8}), 3, None)[0].max_depth == 3
+
+
+def test_zero_questions_and_tokens_are_errors(tmp_path):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from eval.questions import check_eval_limits, load_questions
+
+    q = tmp_path / "q.jsonl"
+    q.write_text('{"question_id": 1, "turns": ["a"]}\n{"question_id": 2, "turns": ["b"]}\n')
+    with pytest.raises(ValueError, match="max_questions must be a positive number of questions"):
+        load_questions(q, 0)
+    assert len(load_questions(q, None)) == 2
+    target = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024),
+                             identity=SimpleNamespace(name="tiny"))
+    base = dict(max_new_tokens=16, max_turns=2, max_questions=None, max_prompt_tokens=1536)
+    for key in ("max_new_tokens", "max_turns", "max_questions"):
+        with pytest.raises(ValueError, match=f"{key} must be >= 1, got 0"):
+            check_eval_limits(OmegaConf.create({**base, key: 0}), target)
+    with pytest.raises(ValueError, match="sweep.max_questions must be >= 1, got 0"):
+        check_eval_limits(OmegaConf.create({**base, "sweep": {"max_questions": 0, "max_new_tokens": 8}}), target)
+    for limit in (1536, None):  # above the context, or no limit: capped at the context
+        cfg = OmegaConf.create({**base, "max_prompt_tokens": limit})
+        check_eval_limits(cfg, target)
+        assert cfg.max_prompt_tokens == 1023
+    cfg = OmegaConf.create(base | {"max_prompt_tokens": 300})
+    check_eval_limits(cfg, target)
+    assert cfg.max_prompt_tokens == 300
+
+
+def test_prompt_longer_than_the_context_is_skipped_and_counted(tiny_target_dir, tmp_path, caplog):
+    from conftest import compose
+    from eval.acceptance import main
+
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"question_id": "long", "turns": ["word " * 1100]}) + "\n"
+                     + json.dumps({"question_id": "short", "turns": ["hello there"]}) + "\n")
+    cfg = compose("eval", ["target=hf", f"target.name={tiny_target_dir}", "target.dtype=fp32",
+                           "target.local_files_only=true", f"questions={qfile}", "drafter=plain", "max_new_tokens=4",
+                           "max_prompt_tokens=5000", f"out={tmp_path / 'eval.json'}"])
+    with caplog.at_level("WARNING"):
+        res = main(cfg)
+    assert [r["question_id"] for r in res["rows"]] == ["short"]
+    assert "max_prompt_tokens=5000 is not below the target's context of 1024 tokens" in caplog.text
+    assert "skipped 1 turns with prompts over 1023 tokens" in caplog.text
+
+
+def test_head_with_nan_or_inf_is_refused_on_load(tmp_path):
+    import torch
+
+    from heads.checkpoint import read_head, save_head
+
+    good = {"w": torch.ones(3, 4), "steps": torch.arange(3)}
+    save_head(tmp_path / "ok", "medusa", {}, {}, good)
+    assert read_head(tmp_path / "ok")[1]["w"].shape == (3, 4)
+    for bad_value, what in ((float("nan"), "1 NaN and 0 Inf"), (float("inf"), "0 NaN and 1 Inf")):
+        w = torch.ones(3, 4)
+        w[1, 2] = bad_value
+        save_head(tmp_path / "bad", "medusa", {}, {}, {"w": w})
+        with pytest.raises(ValueError) as ei:
+            read_head(tmp_path / "bad")
+        assert str(tmp_path / "bad" / "model.safetensors") in str(ei.value) and "'w'" in str(ei.value)
+        assert what in str(ei.value)
+
+
+# --------------------------------------------------------------------------- misleading messages
+
+def test_data_path_directory_and_unknown_target_messages(tmp_path):
+    from data_prep.dataset import DataConfig, _source_identity
+    from heads.target import TargetConfig, resolve_target
+
+    with pytest.raises(IsADirectoryError, match=f"data.path={tmp_path} is a directory; expected a JSON or JSONL"):
+        _source_identity(DataConfig(source="file", path=str(tmp_path)))
+    with pytest.raises(ValueError) as ei:
+        resolve_target(TargetConfig(name="no-such-model-anywhere", local_files_only=True))
+    msg = str(ei.value)
+    assert "was not found locally" in msg and "runs are offline by default" in msg and "local model directory" in msg
+    with pytest.raises(ValueError, match="is not a model directory"):
+        resolve_target(TargetConfig(name=str(tmp_path)))
+
+
+# --------------------------------------------------------------------------- file modes
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_head_files_follow_the_umask(tmp_path, mask):
+    import torch
+
+    from heads.checkpoint import save_head
+
+    old = os.umask(mask)
+    try:
+        save_head(tmp_path / "h", "medusa", {}, {}, {"w": torch.ones(2)})
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "h").iterdir()}
+    assert modes == {"model.safetensors": 0o666 & ~mask, "config.json": 0o666 & ~mask}
+    assert (tmp_path / "h").stat().st_mode & 0o777 == 0o777 & ~mask

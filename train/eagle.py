@@ -182,7 +182,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only, not on what loaded before
     draft = EagleDraft(head_cfg, target).to(acc.device)
     objective = EagleObjective(draft, target, float(h.w_feat), float(h.w_tok), str(h.noise), float(h.noise_scale),
-                               int(h.get("sim_depth") or SIM_DEPTH))
+                               job.config_int(h, "sim_depth", SIM_DEPTH, 1, "head"))
     feats = feature_source(cfg, target, data, objective.layers)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -281,6 +281,9 @@ def make_accelerator(cfg: Any):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
+    from train.checks import check_train_config
+
+    check_train_config(cfg)  # grad_accum=0, cuda without CUDA, ...: errors, not a silent wrong run
     t = cfg.train
     device = t.device
     if device == "auto":
@@ -690,10 +693,10 @@ class Trainer:
                 assert self._shadow is not None
                 self._shadow.load_state_dict(full)
                 self._shadow.save_pretrained(tmp, extra=extra)
-                from safetensors.torch import save_file
+                from heads.checkpoint import save_safetensors  # the umask's mode, not safetensors' 0600
 
                 (tmp / "trainer_state").mkdir()
-                save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / "trainer_state" / "draft.safetensors"))
+                save_safetensors({k: v.contiguous() for k, v in full.items()}, tmp / "trainer_state" / "draft.safetensors")
         elif self.mode == "deepspeed" and self.zero_stage == 3:
             import deepspeed
 
