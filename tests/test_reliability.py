@@ -289,3 +289,100 @@ def test_head_files_follow_the_umask(tmp_path, mask):
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "h").iterdir()}
     assert modes == {"model.safetensors": 0o666 & ~mask, "config.json": 0o666 & ~mask}
     assert (tmp_path / "h").stat().st_mode & 0o777 == 0o777 & ~mask
+
+
+# --------------------------------------------------------------------------- resume
+
+@pytest.fixture(scope="module")
+def trained_medusa(tmp_path_factory, tiny_target_dir, chat_file):
+    """A 6-step Medusa run (2 heads) with checkpoints at steps 3 and 6 and the exact per-step losses."""
+    from conftest import compose, tiny_train_overrides
+    from train.medusa import main
+
+    out = tmp_path_factory.mktemp("medusa-run") / "run"
+    main(compose("medusa", tiny_train_overrides(tiny_target_dir, chat_file, out, **RESUME_KW)))
+    return out
+
+
+RESUME_KW = {"train.save_every": 3, "train.keep_last": 5, "head.num_heads": 2, "train.eval_tokens": 0}
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert len(steps) == len(set(steps)), steps  # no step logged twice
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _resume(src: Path, dst: Path, tiny_target_dir, chat_file, **extra):
+    import shutil
+
+    from conftest import compose, tiny_train_overrides
+    from train.medusa import main
+
+    if not dst.exists():
+        shutil.copytree(src, dst)
+    kw = {**RESUME_KW, "train.resume": "true", **extra}
+    return main(compose("medusa", tiny_train_overrides(tiny_target_dir, chat_file, dst, **kw)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["no_trainer_state", "truncated_optimizer"])
+def test_resume_falls_back_to_the_newest_complete_checkpoint(trained_medusa, tmp_path, tiny_target_dir, chat_file,
+                                                             caplog, damage):
+    import shutil
+
+    ref = _losses(trained_medusa)
+    dst = tmp_path / "run"
+    shutil.copytree(trained_medusa, dst)
+    shutil.rmtree(dst / "final")
+    newest = dst / "checkpoints" / "step-000006"
+    if damage == "no_trainer_state":
+        shutil.rmtree(newest / "trainer_state")
+        named = f"{newest} has no trainer_state/"
+    else:
+        opt = newest / "trainer_state" / "optimizer.pt"
+        opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
+        named = f"{opt} is unreadable or truncated"
+    with caplog.at_level("WARNING"):
+        _resume(trained_medusa, dst, tiny_target_dir, chat_file)
+    assert "resuming from" in caplog.text and "step-000003" in caplog.text and named in caplog.text
+    got = _losses(dst)
+    assert sorted(got) == list(range(1, 7))
+    for s in range(4, 7):  # steps 4..6 retrained from step 3 reproduce the uninterrupted run
+        assert got[s] == pytest.approx(ref[s], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_resume_with_no_complete_checkpoint_stops_naming_the_files(trained_medusa, tmp_path, tiny_target_dir,
+                                                                   chat_file):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(trained_medusa, dst)
+    for d in (dst / "checkpoints").iterdir():
+        shutil.rmtree(d / "trainer_state")
+    with pytest.raises(ValueError) as ei:
+        _resume(trained_medusa, dst, tiny_target_dir, chat_file)
+    msg = str(ei.value)
+    assert "no checkpoint in" in msg and "step-000003 has no trainer_state/" in msg and "step-000006" in msg
+
+
+@pytest.mark.slow
+def test_resume_refuses_other_data_unless_asked(trained_medusa, tmp_path, tiny_target_dir, chat_file, caplog):
+    dst = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"cannot resume: .* was trained on data 'file' \(prepared-data key \w+"):
+        _resume(trained_medusa, dst, tiny_target_dir, chat_file, **{"data.max_length": 48, "train.max_steps": 8})
+    with caplog.at_level("WARNING"):
+        _resume(trained_medusa, dst, tiny_target_dir, chat_file,
+                **{"data.max_length": 48, "train.max_steps": 8, "train.resume_allow_data_change": "true"})
+    assert "resuming on different data" in caplog.text
+    assert sorted(_losses(dst)) == list(range(1, 9))
+    state = json.loads((dst / "checkpoints" / "step-000006" / "trainer_state" / "state.json").read_text())
+    assert state["data"]["name"] == "file" and state["data"]["key"]  # recorded in the trainer state
+
+
+@pytest.mark.slow
+def test_resume_with_another_head_config_names_the_key(trained_medusa, tmp_path, tiny_target_dir, chat_file):
+    with pytest.raises(ValueError, match=r"head.num_heads=3 here but 2 in the checkpoint"):
+        _resume(trained_medusa, tmp_path / "run", tiny_target_dir, chat_file, **{"head.num_heads": 3})
