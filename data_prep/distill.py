@@ -98,6 +98,8 @@ def generate_batch(target, prompts: list[list[int]], cfg: Any, generator_seed: i
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
+    for key in ("num_conversations", "batch_size", "max_new_tokens", "max_prompt_tokens"):  # 0: an error, not a no-op
+        job.config_int(cfg, key, None, 1)
     target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)
     ensure_chat_template(target.tokenizer, dcfg.chat_template)

@@ -303,6 +303,7 @@ def _plan_fields(m: dict[str, Any]) -> dict[str, Any]:
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
+    job.config_int(cfg, "batch_size", None, 1)  # 0: a clear error before any model load
     device = resolve_device(cfg.device)
     target = load_target(cfg.target, device=device)
     data = prepare_data(cfg.data, target.tokenizer)
