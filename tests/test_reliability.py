@@ -386,3 +386,42 @@ def test_resume_refuses_other_data_unless_asked(trained_medusa, tmp_path, tiny_t
 def test_resume_with_another_head_config_names_the_key(trained_medusa, tmp_path, tiny_target_dir, chat_file):
     with pytest.raises(ValueError, match=r"head.num_heads=3 here but 2 in the checkpoint"):
         _resume(trained_medusa, tmp_path / "run", tiny_target_dir, chat_file, **{"head.num_heads": 3})
+
+
+
+@pytest.mark.slow
+def test_every_output_of_a_training_run_follows_the_umask(trained_medusa):
+    """Heads, checkpoints, trainer state, metrics, configs: what open()/mkdir() give under the umask, never 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    wrong = []
+    for p in [trained_medusa, *trained_medusa.rglob("*")]:
+        want = (0o777 if p.is_dir() else 0o666) & ~mask
+        if p.stat().st_mode & 0o777 != want:
+            wrong.append(f"{p.relative_to(trained_medusa)}: {oct(p.stat().st_mode & 0o777)}")
+    assert (trained_medusa / "final" / "model.safetensors").is_file()
+    assert not wrong, wrong
+
+# --------------------------------------------------------------------------- shipped entries end to end
+
+@pytest.mark.slow
+def test_shipped_entries_end_user_errors_with_one_line_and_exit_2(tmp_path, tiny_target_dir, chat_file):
+    tgt = ["target=hf", f"target.name={tiny_target_dir}", "target.dtype=fp32", "target.local_files_only=true"]
+    data = ["data=file", f"data.cache_dir={tmp_path / 'cache'}"]
+    cases = [
+        ("data_prep/prepare.py", tgt + data + [f"data.path={tmp_path / 'nope.json'}"],
+         f"error: data file {tmp_path / 'nope.json'} does not exist"),
+        ("train/medusa.py", tgt + data + [f"data.path={chat_file}", f"out_dir={tmp_path / 'run'}",
+                                          "logging.wandb=disabled", "train.device=cpu", "train.grad_accum=0"],
+         "error: train.grad_accum must be >= 1, got 0"),
+        ("eval/exactness.py", ["rounds=-1", "out=null"], "error: rounds must be >= 1, got -1"),
+    ]
+    for entry, args, message in cases:
+        p = run_entry(entry, *args, cwd=tmp_path)
+        assert error_line(p) == message, (entry, p.stderr[-2000:])
+    # a typo in a key: Hydra's short message, no traceback, exit 2 as well
+    p = run_entry("data_prep/prepare.py", *tgt, "data.bogus=1", cwd=tmp_path)
+    assert p.returncode == 2 and "Could not override 'data.bogus'" in p.stderr and "Traceback" not in p.stderr
+    # the debug switch brings the traceback back
+    p = run_entry("eval/exactness.py", "rounds=-1", "out=null", cwd=tmp_path, DRAFTHEADS_DEBUG="1")
+    assert p.returncode == 1 and "Traceback" in p.stderr and "ValueError: rounds must be >= 1" in p.stderr
