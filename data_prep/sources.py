@@ -14,9 +14,15 @@ extensions force JSON Lines):
 
 * a JSON array of records -- streamed record by record, and a file that was
   cut off mid-record (like the embedded ShareGPT V3 dump) yields everything
-  complete before the cut (``LoadStats.truncated_tail``);
+  complete before the cut (``LoadStats.truncated_tail``); text that is no
+  record (a broken record, a ``//`` comment, a stray bracket, junk between
+  records) is skipped up to the next complete record whatever its
+  indentation, and counted (``bad_json``);
 * JSON Lines, one record per line (a malformed line is skipped and counted, or
   raises with its line number);
+
+A byte that is not UTF-8 costs only the record (or JSONL line) holding it:
+skipped and counted as ``bad_encoding`` with its exact line, or raised.
 * a JSON object holding the list of records under a key such as ``"data"``
   (``"data"``, ``"conversations"``, ``"records"``, ... or the only list of
   record-like objects), or a single record object.
