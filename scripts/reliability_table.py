@@ -33,7 +33,7 @@ class Case:
     entry: str  # path under the repo
     args: list[str]
     expect: int  # exit code the case must end with
-    show: str | None = None  # exit 0: regex of the line to report (the warning / the counts)
+    show: str | list[str] | None = None  # exit 0: regex(es) of the line(s) to report (the warning, the counts)
     needs: list[str] = field(default_factory=list)  # workspace assets the case uses ("run")
 
 
@@ -131,7 +131,12 @@ def _train_run(ws: Path, a: dict[str, Path]) -> Path:
                 shutil.rmtree(c / "trainer_state")
     for name in ("other_data", "other_heads"):
         shutil.copytree(out, ws / f"run-{name}")
-    del torch
+    from heads.eagle import EagleDraft, eagle_config_for
+    from heads.target import load_target
+
+    tgt = load_target({"name": str(a["target"]), "dtype": "fp32", "local_files_only": True})
+    torch.manual_seed(0)
+    EagleDraft(eagle_config_for(tgt), tgt).save_pretrained(ws / "eagle-head", tgt.identity)  # untrained, loadable
     return out
 
 
@@ -156,7 +161,9 @@ def cases(ws: Path, a: dict[str, Path]) -> list[Case]:
 
     ev = T + ["drafter=medusa", f"checkpoint={ws / 'run' / 'final'}", f"questions={a['questions']}", "max_new_tokens=8",
               f"out={ws / 'eval.json'}"]
-    counts = r"read \d+, kept \d+.*"
+    eagle = [x if not x.startswith(("drafter=", "checkpoint=")) else
+             {"d": "drafter=eagle", "c": f"checkpoint={ws / 'eagle-head'}"}[x[0]] for x in ev]
+    counts = r"read \d+, kept \d+[^;]*"
     out = [
         Case("config", "Unknown config key", "data_prep/prepare.py", T + D() + ["data.bogus=1"], 2),
         Case("config", "Unknown config group option", "data_prep/prepare.py", T + ["data=nope"], 2),
@@ -175,7 +182,7 @@ def cases(ws: Path, a: dict[str, Path]) -> list[Case]:
         Case("data", "Broken record in a minified (one-line) JSON array", "data_prep/prepare.py",
              T + D(a["minified"]) + ["data.heldout_fraction=0.2"], 0, counts),
         Case("data", "Non-UTF-8 byte inside one record (`data.on_error=skip`)", "data_prep/prepare.py",
-             T + D(a["bad_byte"]) + ["data.heldout_fraction=0.2"], 0, r"record \d+ .*not valid UTF-8.*"),
+             T + D(a["bad_byte"]) + ["data.heldout_fraction=0.2"], 0, [r"record \d+ .*not valid UTF-8.*", counts]),
         Case("data", "Non-UTF-8 byte inside one record (`data.on_error=raise`)", "data_prep/prepare.py",
              T + D(a["bad_byte"]) + ["data.on_error=raise"], 2),
         Case("data", "Malformed JSON Lines line (`data.on_error=raise`)", "data_prep/prepare.py",
@@ -203,6 +210,8 @@ def cases(ws: Path, a: dict[str, Path]) -> list[Case]:
         Case("eval", "`max_turns=0`", "eval/acceptance.py", ev + ["max_turns=0"], 2),
         Case("eval", "`tree.max_depth=0` (Medusa)", "eval/acceptance.py", ev + ["tree.max_depth=0"], 2),
         Case("eval", "`tree.size=1`", "eval/acceptance.py", ev + ["tree.size=1"], 2),
+        Case("eval", "`tree.nodes=0` (EAGLE)", "eval/acceptance.py", eagle + ["tree.nodes=0"], 2),
+        Case("eval", "`tree.depth=0` (EAGLE)", "eval/acceptance.py", eagle + ["tree.depth=0"], 2),
         Case("eval", "Prompt longer than the target's context (`max_prompt_tokens=5000`, context 1024)",
              "eval/acceptance.py", T + ["drafter=plain", f"questions={a['long_questions']}", "max_new_tokens=4",
                                         "max_prompt_tokens=5000", f"out={ws / 'eval-long.json'}"], 0,
@@ -241,12 +250,9 @@ def what_it_says(c: Case, p: subprocess.CompletedProcess) -> str:
         first = next((ln for ln in p.stderr.splitlines() if ln.strip()), "")
         return f"{first} (Hydra's message, {len(p.stderr.strip().splitlines())} lines, no traceback)" \
             if "Traceback" not in p.stderr else p.stderr.strip().splitlines()[-1]
-    if c.show:
-        m = re.search(c.show, both)
-        if m:
-            line = m.group(0)
-            return re.sub(r"^\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - ", "", line)
-    return "(finished)"
+    found = [m.group(0) for pat in ([c.show] if isinstance(c.show, str) else c.show or [])
+             if (m := re.search(pat, both))]
+    return " / ".join(found) if found else "(finished)"
 
 
 def _clean(text: str, ws: Path) -> str:
