@@ -195,7 +195,7 @@ def cases(ws: Path, a: dict[str, Path]) -> list[Case]:
         Case("data", "No usable conversation in the file", "data_prep/prepare.py", T + D(a["no_usable"]), 2),
         Case("train", "`train.grad_accum=0`", "train/medusa.py", train + ["train.device=cpu", "train.grad_accum=0"], 2),
         Case("train", "`train.batch_size=0`", "train/medusa.py", train + ["train.device=cpu", "train.batch_size=0"], 2),
-        Case("train", "`train.max_steps=0`", "train/medusa.py", train + ["train.device=cpu", "train.max_steps=0"], 2),
+        Case("train", "`train.max_steps=-1`", "train/medusa.py", train + ["train.device=cpu", "train.max_steps=-1"], 2),
         Case("train", "`train.resume=true`, newest checkpoint lacks `trainer_state/`", "train/medusa.py",
              resume("no_state"), 0, r"resuming from .*"),
         Case("train", "`train.resume=true`, newest checkpoint has a truncated `optimizer.pt`", "train/medusa.py",

@@ -155,7 +155,7 @@ def test_config_int_keeps_an_explicit_zero():
 @pytest.mark.parametrize("override, message", [
     ("train.grad_accum=0", "train.grad_accum must be >= 1, got 0"),
     ("train.batch_size=0", "train.batch_size must be >= 1, got 0"),
-    ("train.max_steps=0", "train.max_steps must be >= 1, got 0"),
+    ("train.max_steps=-1", "train.max_steps must be >= 0, got -1"),
     ("train.save_every=-1", "train.save_every must be >= 0, got -1"),
 ])
 def test_training_settings_that_trained_nothing_are_errors(tmp_path, override, message):

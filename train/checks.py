@@ -16,11 +16,12 @@ from heads.job import config_int
 def check_train_config(cfg: Any) -> None:
     """Raise ValueError naming the ``train.*`` key, its value and what is allowed."""
     t = cfg.train
-    for key in ("batch_size", "grad_accum", "max_steps", "log_every"):
+    for key in ("batch_size", "grad_accum", "log_every"):
         if t.get(key) is None:
             raise ValueError(f"train.{key} must be an integer >= 1, got null")
         config_int(t, key, None, 1, "train")
-    for key in ("save_every", "keep_last", "eval_every"):
+    # max_steps=0 is a use: write the initialized draft as final/ without training (e.g. an EAGLE-3 start point)
+    for key in ("max_steps", "save_every", "keep_last", "eval_every"):
         config_int(t, key, 0, 0, "train")
     device = str(t.get("device", "auto"))
     if device.startswith("cuda") and not torch.cuda.is_available():
