@@ -77,6 +77,8 @@ def _source_identity(cfg: DataConfig) -> dict[str, Any]:
         raise ValueError(f"data.source must be 'sharegpt' or 'file', got {cfg.source!r}")
     if cfg.source == "file" and not cfg.path:
         raise ValueError("data.source=file needs data.path (a JSON or JSONL file)")
+    if path.is_dir():
+        raise IsADirectoryError(f"data.path={path} is a directory; expected a JSON or JSONL conversations file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
     return file_identity(path)

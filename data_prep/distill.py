@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
@@ -28,6 +27,7 @@ from tqdm.auto import tqdm
 from data_prep.dataset import DataConfig
 from data_prep.sources import Conversation, conversation_key, load_conversations, split_conversations
 from data_prep.template import ensure_chat_template, prompt_ids
+from heads import job
 from heads.target import load_target, resolve_device
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,8 @@ def generate_batch(target, prompts: list[list[int]], cfg: Any, generator_seed: i
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
+    for key in ("num_conversations", "batch_size", "max_new_tokens", "max_prompt_tokens"):  # 0: an error, not a no-op
+        job.config_int(cfg, key, None, 1)
     target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)
     ensure_chat_template(target.tokenizer, dcfg.chat_template)
@@ -184,7 +186,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="distill")
+@job.main(config_name="distill")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -32,15 +32,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from data_prep.dataset import PreparedData, collate, model_inputs, prepare_data
-from heads.checkpoint import atomic_write_text
+from heads import job
+from heads.checkpoint import atomic_write_text, save_safetensors
 from heads.target import DTYPE_NAMES, FrozenTarget, check_identity, load_target, parse_dtype, resolve_device
 
 log = logging.getLogger(__name__)
@@ -284,7 +283,7 @@ def write_shard(path: Path, per_row: Sequence[dict[int, torch.Tensor]], layers: 
     tensors["offsets"] = offsets
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+        save_safetensors(tensors, tmp, metadata={"format": FORMAT})  # the umask's mode, not 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -304,6 +303,7 @@ def _plan_fields(m: dict[str, Any]) -> dict[str, Any]:
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
+    job.config_int(cfg, "batch_size", None, 1)  # 0: a clear error before any model load
     device = resolve_device(cfg.device)
     target = load_target(cfg.target, device=device)
     data = prepare_data(cfg.data, target.tokenizer)
@@ -392,7 +392,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="features")
+@job.main(config_name="features")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -12,10 +12,10 @@ import json
 import logging
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
 from data_prep.dataset import prepare_data
+from heads import job
 from heads.target import TargetConfig
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return s
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="prepare")
+@job.main(config_name="prepare")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -14,9 +14,15 @@ extensions force JSON Lines):
 
 * a JSON array of records -- streamed record by record, and a file that was
   cut off mid-record (like the embedded ShareGPT V3 dump) yields everything
-  complete before the cut (``LoadStats.truncated_tail``);
+  complete before the cut (``LoadStats.truncated_tail``); text that is no
+  record (a broken record, a ``//`` comment, a stray bracket, junk between
+  records) is skipped up to the next complete record whatever its
+  indentation, and counted (``bad_json``);
 * JSON Lines, one record per line (a malformed line is skipped and counted, or
   raises with its line number);
+
+A byte that is not UTF-8 costs only the record (or JSONL line) holding it:
+skipped and counted as ``bad_encoding`` with its exact line, or raised.
 * a JSON object holding the list of records under a key such as ``"data"``
   (``"data"``, ``"conversations"``, ``"records"``, ... or the only list of
   record-like objects), or a single record object.
@@ -186,6 +192,7 @@ def sharegpt_path() -> str:
 # --------------------------------------------------------------------------- #
 
 _WS = re.compile(r"[ \t\n\r]*")
+_BAD_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a non-UTF-8 byte
 _NUMBER_PREFIX = re.compile(r"[-+0-9.eE]+")
 _CHUNK_CHARS = 1 << 20
 
@@ -242,12 +249,12 @@ class _Stream:
         pos = self.pos if pos is None else pos
         if pos >= self._mark:
             seg = self.buf[self._mark:pos]
-            self._mark_bytes += len(seg.encode("utf-8", "surrogatepass"))
+            self._mark_bytes += len(seg.encode("utf-8", "surrogateescape"))
             self._mark_lines += seg.count("\n")
             self._mark = pos
             return self._mark_bytes, self._mark_lines
         seg = self.buf[pos:self._mark]
-        return (self._mark_bytes - len(seg.encode("utf-8", "surrogatepass")),
+        return (self._mark_bytes - len(seg.encode("utf-8", "surrogateescape")),
                 self._mark_lines - seg.count("\n"))
 
     def loc(self, pos: int | None = None) -> str:
@@ -269,12 +276,7 @@ class _Stream:
             self.pos -= drop
             self._mark -= drop
             self.base += drop
-        try:
-            data = self.f.read(max(self.chunk, len(self.buf)))
-        except UnicodeDecodeError as e:
-            b, _ = self.where(len(self.buf))
-            raise DataError("bad_encoding", f"{getattr(self.f, 'name', '?')}: not valid UTF-8 "
-                            f"(near byte {b + e.start}): {e.reason}") from None
+        data = self.f.read(max(self.chunk, len(self.buf)))
         if not data:
             self.eof = True
             return False
@@ -308,34 +310,42 @@ class _Stream:
             self.pos = end
             return val
 
-    def indent_before(self, pos: int) -> str | None:
-        """Whitespace between the previous newline and ``pos`` (None if other text)."""
-        nl = self.buf.rfind("\n", 0, pos)
-        if nl < 0:
-            return None
-        ind = self.buf[nl + 1:pos]
-        return ind if ind.strip(" \t") == "" else None
+    def bad_byte(self, start: int, end: int) -> int | None:
+        """Buffer position of the first undecodable byte in ``buf[start:end]`` (None if there is none)."""
+        m = _BAD_BYTE.search(self.buf, start, end)
+        return m.start() if m else None
 
-    def resync(self, indent: str, start: int) -> bool:
-        """Move pos to the next array element printed at ``indent`` after ``start``."""
-        pat = re.compile(r",[ \t\r]*\n" + re.escape(indent) + r"\{")
-        search_from = start + 1
+    def next_record(self, after_abs: int) -> bool:
+        """Move pos to the next ``{`` after absolute offset ``after_abs`` that opens a complete record.
+
+        Whatever the indentation (or none: minified files): a candidate counts when it decodes to an
+        object that looks like a conversation record (see ``_looks_like_record``), so the turns nested
+        inside a broken record are never mistaken for records. False at EOF."""
+        nxt = after_abs + 1
         while True:
-            m = pat.search(self.buf, search_from)
-            if m:
-                self.pos = m.end() - 1
-                return True
-            # keep an overlap so a match spanning the chunk border is found
-            self.pos = max(search_from, len(self.buf) - len(indent) - 64)
-            if not self.fill():
+            j = self.buf.find("{", max(nxt - self.base, 0))
+            if j < 0:
+                nxt = self.base + len(self.buf)
                 self.pos = len(self.buf)
-                return False
-            search_from = self.pos
+                if not self.fill():
+                    return False
+                continue
+            cand = self.base + j
+            self.pos = j
+            try:
+                val = self.decode()
+            except (_Truncated, _Syntax):
+                val = None
+            if _looks_like_record(val):
+                self.pos = cand - self.base
+                return True
+            nxt = cand + 1
 
 
 def _open_text(path: Path):
-    # newline="" keeps "\r\n" untranslated so byte offsets stay exact
-    return open(path, "r", encoding="utf-8", newline="")
+    # newline="" keeps "\r\n" untranslated so byte offsets stay exact; an undecodable byte becomes one
+    # lone surrogate (U+DC80..U+DCFF) that _BAD_BYTE finds, so only the record holding it is lost
+    return open(path, "r", encoding="utf-8", errors="surrogateescape", newline="")
 
 
 def _bump(d: dict[str, int], key: str, n: int = 1) -> None:
@@ -351,6 +361,31 @@ def _check_path(path) -> Path:
     return p
 
 
+def _skip_region(s: _Stream, p: Path, stats: LoadStats, on_error: str, index: int, start: int,
+                 what: str, err: int | None = None, search_from: int | None = None) -> bool:
+    """Text at absolute offset ``start`` is no record (broken JSON, a comment, a stray bracket, bad bytes).
+
+    ``raise``: stop with its file and line. ``skip``: count it once (``bad_encoding`` when a byte that is
+    not UTF-8 caused it, else ``bad_json``), log where, and move to the next complete record whatever its
+    indentation, searching after ``search_from`` (default ``start``). ``err``: buffer position of the decode
+    error. False when no record follows."""
+    rel = start - s.base
+    bad = s.bad_byte(rel, (rel if err is None else max(err, rel)) + 1)
+    reason = "bad_json"
+    if bad is not None:
+        reason = "bad_encoding"
+        what = f"not valid UTF-8 (byte {s.where(bad)[0]}, line {s.where(bad)[1]})"
+    if on_error == "raise":
+        raise DataError(reason, f"{p}: record {index} ({s.abs_loc(start)}): {what}", index=index)
+    stats.read += 1
+    _bump(stats.skipped, reason)
+    where = s.abs_loc(start)
+    found = s.next_record(start if search_from is None else search_from)
+    logger.warning("%s: record %d (%s): %s; skipped %s", p, index, where, what,
+                   f"up to the next record at {s.loc()}" if found else "to the end of the file")
+    return found
+
+
 def _iter_array(s: _Stream, p: Path, stats: LoadStats, on_error: str):
     s.pos += 1  # '['
     index = 0
@@ -362,35 +397,49 @@ def _iter_array(s: _Stream, p: Path, stats: LoadStats, on_error: str):
             return
         if c == "]":
             s.pos += 1
-            if s.peek() is not None:
-                logger.warning("%s: ignoring trailing data after the JSON array at %s", p, s.loc())
-            return
+            at = s.base + s.pos
+            if s.peek() is None:
+                return
+            # more text after the closing bracket: a stray ']' with records after it, or trailing junk
+            if not _skip_region(s, p, stats, on_error, index, at - 1, "unexpected text after the closing ']'"):
+                return
+            index += 1
+            continue
         start = s.base + s.pos  # absolute: decode() may refill and shift the buffer
+        if c == "[":  # a record is an object; a nested array would swallow the records after it
+            if not _skip_region(s, p, stats, on_error, index, start, "expected a record object '{', found '['"):
+                return
+            index += 1
+            continue
         try:
             rec = s.decode()
         except _Truncated:
+            if s.next_record(start):  # a complete record follows: the text at start was junk, not a cut
+                if not _skip_region(s, p, stats, on_error, index, start, "invalid JSON (an unclosed value)"):
+                    return
+                index += 1
+                continue
             stats.truncated_tail = True
             stats.truncated_at = f"record {index} ({s.abs_loc(start)})"
             return
         except _Syntax as e:
-            where = f"record {index} ({s.abs_loc(start)}); error at {s.loc(e.err.pos)}"
-            if on_error == "raise":
-                raise DataError("bad_json", f"{p}: {where}: invalid JSON: {e.err.msg}", index=index) from None
-            stats.read += 1
-            _bump(stats.skipped, "bad_json")
-            indent = s.indent_before(start - s.base)
-            if indent is None:
-                raise DataError("bad_json", f"{p}: {where}: invalid JSON ({e.err.msg}) and the "
-                                "file is not pretty-printed, so the next record cannot be found",
-                                index=index) from None
-            logger.warning("%s: %s: invalid JSON (%s); skipping to the next record",
-                           p, where, e.err.msg)
-            index += 1
-            if not s.resync(indent, e.err.pos):
+            err_at = s.loc(e.err.pos)
+            if not _skip_region(s, p, stats, on_error, index, start,
+                                f"invalid JSON ({e.err.msg} at {err_at})", e.err.pos):
                 return
+            index += 1
             continue
-        stats.read += 1
-        yield index, rec, s.abs_loc(start)
+        bad = s.bad_byte(start - s.base, s.pos)
+        if bad is not None:
+            msg = f"not valid UTF-8 (byte {s.where(bad)[0]}, line {s.where(bad)[1]})"
+            if on_error == "raise":
+                raise DataError("bad_encoding", f"{p}: record {index} ({s.abs_loc(start)}): {msg}", index=index)
+            stats.read += 1
+            _bump(stats.skipped, "bad_encoding")
+            logger.warning("%s: record %d (%s): %s; record skipped", p, index, s.abs_loc(start), msg)
+        else:
+            stats.read += 1
+            yield index, rec, s.abs_loc(start)
         index += 1
         c = s.peek()
         if c == ",":
@@ -401,45 +450,62 @@ def _iter_array(s: _Stream, p: Path, stats: LoadStats, on_error: str):
             stats.truncated_tail = True
             stats.truncated_at = f"byte {s.where(len(s.buf))[0]} (after record {index - 1}, missing ']')"
             return
+        elif c == "{" and on_error == "skip":  # a missing comma: nothing to skip
+            logger.warning("%s: %s: expected ',' or ']' after record %d, found '{'; reading it as the next record",
+                           p, s.loc(), index - 1)
         else:
-            raise DataError("bad_json", f"{p}: {s.loc()}: expected ',' or ']' after record {index - 1}, "
-                            f"found {c!r}")
+            at = s.base + s.pos
+            # after a value that is no record (e.g. a stray '"' read as a string) a record may hide inside it
+            if not _skip_region(s, p, stats, on_error, index, at,
+                                f"expected ',' or ']' after record {index - 1}, found {c!r}",
+                                search_from=at - 1 if isinstance(rec, dict) else start):
+                return
+            index += 1
 
 
 def _iter_jsonl(p: Path, stats: LoadStats, on_error: str):
     stats.format = "jsonl"
     index = 0
-    with _open_text(p) as f:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(f, 1):
-                text = line.strip()
-                if lineno == 1:
-                    text = text.lstrip("\ufeff").strip()
-                if not text:
-                    continue
-                try:
-                    rec = json.loads(text)
-                except json.JSONDecodeError as e:
-                    if not line.endswith(("\n", "\r")) and _eof_caused(text, e):
-                        stats.truncated_tail = True
-                        stats.truncated_at = f"record {index} (line {lineno})"
-                        return
-                    where = f"line {lineno}, column {e.colno}"
-                    if on_error == "raise":
-                        raise DataError("bad_json", f"{p}: {where}: invalid JSON: {e.msg}",
-                                        index=index) from None
-                    stats.read += 1
-                    _bump(stats.skipped, "bad_json")
-                    logger.warning("%s: %s: invalid JSON (%s); line skipped", p, where, e.msg)
-                    index += 1
-                    continue
+    offset = 0  # byte offset of the current line
+    with open(p, "rb") as f:  # bytes: a line that is not UTF-8 costs that line only, and its number is exact
+        for lineno, raw in enumerate(f, 1):
+            line_start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                where = f"line {lineno}, byte {line_start + e.start}"
+                if on_error == "raise":
+                    raise DataError("bad_encoding", f"{p}: {where}: not valid UTF-8 ({e.reason})",
+                                    index=index) from None
                 stats.read += 1
-                yield index, rec, f"line {lineno}"
+                _bump(stats.skipped, "bad_encoding")
+                logger.warning("%s: %s: not valid UTF-8 (%s); line skipped", p, where, e.reason)
                 index += 1
-        except UnicodeDecodeError as e:
-            raise DataError("bad_encoding", f"{p}: not valid UTF-8 (around line {lineno + 1}): "
-                            f"{e.reason}") from None
+                continue
+            text = line.strip()
+            if lineno == 1:
+                text = text.lstrip("\ufeff").strip()
+            if not text:
+                continue
+            try:
+                rec = json.loads(text)
+            except json.JSONDecodeError as e:
+                if not line.endswith(("\n", "\r")) and _eof_caused(text, e):
+                    stats.truncated_tail = True
+                    stats.truncated_at = f"record {index} (line {lineno})"
+                    return
+                where = f"line {lineno}, column {e.colno}"
+                if on_error == "raise":
+                    raise DataError("bad_json", f"{p}: {where}: invalid JSON: {e.msg}",
+                                    index=index) from None
+                stats.read += 1
+                _bump(stats.skipped, "bad_json")
+                logger.warning("%s: %s: invalid JSON (%s); line skipped", p, where, e.msg)
+                index += 1
+                continue
+            stats.read += 1
+            yield index, rec, f"line {lineno}"
+            index += 1
 
 
 def _looks_like_record(obj: Any) -> bool:
@@ -455,7 +521,7 @@ def _looks_like_record(obj: Any) -> bool:
     return False
 
 
-def _records_from_document(doc: Any, p: Path, stats: LoadStats):
+def _records_from_document(doc: Any, p: Path, stats: LoadStats, on_error: str = "skip"):
     if isinstance(doc, list):  # pragma: no cover - arrays are streamed
         stats.format = "json_array"
         items = doc
@@ -479,7 +545,25 @@ def _records_from_document(doc: Any, p: Path, stats: LoadStats):
                         f"found a top-level {type(doc).__name__}")
     for i, rec in enumerate(items):
         stats.read += 1
+        if _has_bad_bytes(rec):
+            msg = f"{p}: {stats.format}[{i}]: not valid UTF-8 (a byte in this record's text)"
+            if on_error == "raise":
+                raise DataError("bad_encoding", msg, index=i)
+            _bump(stats.skipped, "bad_encoding")
+            logger.warning("%s; record skipped", msg)
+            continue
         yield i, rec, f"{stats.format}[{i}]"
+
+
+def _has_bad_bytes(obj: Any) -> bool:
+    """Whether a decoded value holds a byte that was not UTF-8 (a lone surrogate from surrogateescape)."""
+    if isinstance(obj, str):
+        return _BAD_BYTE.search(obj) is not None
+    if isinstance(obj, dict):
+        return any(_has_bad_bytes(k) or _has_bad_bytes(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_bad_bytes(v) for v in obj)
+    return False
 
 
 def _second_line_is_object(p: Path) -> bool:
@@ -489,10 +573,13 @@ def _second_line_is_object(p: Path) -> bool:
             for line in f:
                 if line.strip():
                     seen += 1
-                    if seen == 2:
+                    if seen >= 2:  # one broken line must not turn a JSON Lines file into "invalid JSON"
                         try:
-                            return isinstance(json.loads(line), dict)
+                            if isinstance(json.loads(line), dict):
+                                return True
                         except json.JSONDecodeError:
+                            pass
+                        if seen == 4:
                             return False
     except UnicodeDecodeError:
         return False
@@ -547,14 +634,16 @@ def _iter_records_loc(path, stats: LoadStats, on_error: str = "skip"):
         if is_jsonl:
             yield from _iter_jsonl(p, stats, on_error)
         else:
-            yield from _records_from_document(first, p, stats)
+            yield from _records_from_document(first, p, stats, on_error)
 
     for item in produce():
         yielded += 1
         yield item
-    if yielded == 0 and (stats.truncated_tail or stats.skipped.get("bad_json")):
+    n_bad = stats.skipped.get("bad_json", 0) + stats.skipped.get("bad_encoding", 0)
+    if yielded == 0 and (stats.truncated_tail or n_bad):
         what = (f"the file is cut off inside {stats.truncated_at}" if stats.truncated_tail
-                else f"all {stats.skipped.get('bad_json')} records are invalid JSON")
+                else f"all {n_bad} records are invalid JSON or not valid UTF-8 "
+                     f"(bad_json={stats.skipped.get('bad_json', 0)}, bad_encoding={stats.skipped.get('bad_encoding', 0)})")
         raise DataError("no_records", f"{p}: no complete record could be parsed: {what}")
     if stats.truncated_tail:
         logger.warning("%s: file is truncated at %s; kept the %d complete records before the cut",

@@ -15,7 +15,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -24,8 +23,9 @@ from data_prep.dataset import prepare_data
 from data_prep.template import ensure_chat_template, prompt_ids
 from eval.drafters import build_drafter
 from eval.generate import GenResult, NoDrafter, generate
-from eval.questions import load_questions
+from eval.questions import check_eval_limits, load_questions
 from eval.tau import tau_value
+from heads import job
 from heads.checkpoint import atomic_write_text
 from heads.target import dtype_name, load_target, resolve_device
 
@@ -116,6 +116,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     torch.manual_seed(int(cfg.seed))
     target = load_target(cfg.target, device=resolve_device(cfg.device))
+    check_eval_limits(cfg, target)  # max_new_tokens=0, prompts past the context: errors, not τ 0.000
     ensure_chat_template(target.tokenizer, cfg.data.chat_template if "data" in cfg else None)
     if cfg.questions:
         qfile = Path(cfg.questions)
@@ -157,7 +158,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="eval")
+@job.main(config_name="eval")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -105,7 +105,9 @@ def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[Stat
     """Custom paths if given; else tuned to the checkpoint's measured accuracies; else a generic default."""
     if tree_cfg.get("paths"):
         return static_tree(tree_cfg.paths), "custom"
-    depth = min(num_heads, int(tree_cfg.get("max_depth") or num_heads))
+    from heads.job import config_int  # null = every head; 0 is an error, not "every head"
+
+    depth = min(num_heads, config_int(tree_cfg, "max_depth", num_heads, 1, "tree"))
     if rank_accuracy is not None and tree_cfg.get("tuned", True):
         # A tiny generic prior breaks ties (and fills in ranks never hit on a small held-out set).
         prior = generic_accuracies(depth, len(rank_accuracy[0]))

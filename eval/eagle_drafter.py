@@ -47,8 +47,11 @@ class EagleTreeConfig:
         kind = "dynamic" if kind == "auto" else kind
         if kind not in TREE_KINDS:
             raise ValueError(f"tree.kind must be auto, {', '.join(TREE_KINDS)} for EAGLE, got {kind!r}")
-        out = cls(kind=kind, top_k=int(cfg.get("top_k") or 10), depth=int(cfg.get("depth") or 6),
-                  nodes=int(cfg.get("nodes") or 60), paths=cfg.get("paths"))
+        from heads.job import config_int  # null = the default; 0 is an error, not the default
+
+        out = cls(kind=kind, top_k=config_int(cfg, "top_k", 10, 1, "tree"),
+                  depth=config_int(cfg, "depth", 6, 1, "tree"), nodes=config_int(cfg, "nodes", 60, 1, "tree"),
+                  paths=cfg.get("paths"))
         if min(out.top_k, out.depth, out.nodes) < 1:
             raise ValueError(f"tree.top_k, tree.depth and tree.nodes must be >= 1, got {out.top_k}, {out.depth}, "
                              f"{out.nodes}")

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig
 from scipy import stats
 
 from eval.verify import _prob_row, _sample, _uniforms, tree_children, verify_tree
+from heads import job
 
 VerifyFn = Callable[..., tuple[list[int], int]]
 
@@ -348,7 +348,7 @@ def _write_json_atomic(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="exactness")
+@job.main(config_name="exactness")
 def main(cfg: DictConfig) -> None:
     print(format_table(run_exactness(cfg)))
 

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -45,7 +44,8 @@ from eval.acceptance import first_divergence
 from eval.baselines import DraftModelDrafter
 from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tree_forward
-from eval.questions import load_questions
+from eval.questions import check_eval_limits, load_questions
+from heads import job
 from heads.checkpoint import atomic_write_text
 from eval.tau import paired_forwards, tau
 from heads.target import FrozenTarget, dtype_name, load_target, resolve_device
@@ -520,6 +520,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     load_start = _loadavg()
     torch.manual_seed(int(cfg.seed))
     target = load_target(cfg.target, device=resolve_device(cfg.device))
+    check_eval_limits(cfg, target)  # max_new_tokens=0, prompts past the context: errors, not τ 0.000
     ensure_chat_template(target.tokenizer, cfg.data.chat_template if "data" in cfg else None)
     qfile, questions = _questions(cfg, target)
     settings = decoding_settings(cfg)
@@ -620,7 +621,7 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="measure")
+@job.main(config_name="measure")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

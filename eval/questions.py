@@ -17,6 +17,8 @@ def load_questions(path: str | Path, max_questions: int | None = None,
     """
     if per_category is not None and int(per_category) < 1:
         raise ValueError(f"per_category must be a positive number of questions, found {per_category}")
+    if max_questions is not None and int(max_questions) < 1:
+        raise ValueError(f"max_questions must be a positive number of questions (or null: all), found {max_questions}")
     seen: dict[str, int] = {}
     path = Path(path)
     if not path.is_file():
@@ -48,3 +50,31 @@ def load_questions(path: str | Path, max_questions: int | None = None,
     if not out:
         raise ValueError(f"question file {path} holds no questions")
     return out
+
+
+def check_eval_limits(cfg: Any, target: Any) -> None:
+    """Refuse eval settings that would report a meaningless τ, and bound prompts by the target's context.
+
+    ``max_new_tokens=0`` reported τ 0.000 and ``max_questions=0`` evaluated one question: both are errors.
+    A prompt as long as the target's context decodes nothing and also reported τ 0.000, so the prompt limit
+    is capped at the context minus one (with a warning when ``max_prompt_tokens`` asked for more, or is
+    null): longer prompts are then skipped and counted like any other over-long prompt."""
+    import logging
+
+    from heads.job import config_int
+
+    config_int(cfg, "max_new_tokens", None, 1)
+    config_int(cfg, "max_turns", None, 1)
+    config_int(cfg, "max_questions", None, 1)
+    if "sweep" in cfg and cfg.sweep is not None:
+        config_int(cfg.sweep, "max_questions", None, 1, "sweep")
+        config_int(cfg.sweep, "max_new_tokens", None, 1, "sweep")
+    limit = config_int(cfg, "max_prompt_tokens", None, 1)
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context is None or (limit is not None and limit < int(context)):
+        return
+    logging.getLogger(__name__).warning(
+        "max_prompt_tokens=%s is not below the target's context of %d tokens (max_position_embeddings of %r): "
+        "a prompt that long leaves no room to decode; prompts over %d tokens are skipped and counted",
+        limit, int(context), target.identity.name, int(context) - 1)
+    cfg.max_prompt_tokens = int(context) - 1

@@ -264,9 +264,15 @@ def write_report(result: dict[str, Any], out_dir: str | Path) -> dict[str, Any]:
     return {"files": [str(f) for f in files], "markdown_text": md}
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 2:
+def _cli(argv: list[str]) -> None:
+    if len(argv) != 1:
         raise SystemExit("usage: python eval/report.py runs/measure/<run>/results.json")
-    path = Path(sys.argv[1])
+    path = Path(argv[0])
     r = write_report(json.loads(path.read_text()), path.parent)
     print("\n".join(r["files"]))
+
+
+if __name__ == "__main__":
+    from heads import job
+
+    job.cli(_cli, sys.argv[1:])

@@ -46,7 +46,7 @@ class AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        os.chmod(self.tmp, 0o755)
+        os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the dir what mkdir() would have
         if self.final.exists():
             # Move the old one aside first so that at every instant one complete copy exists.
             old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
@@ -90,8 +90,18 @@ def write_head_files(directory: Path, family: str, head_config: dict[str, Any], 
     cfg = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": family,
            "head_config": head_config, "target": target, **(extra or {})}
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt", "family": family})
+    save_safetensors(tensors, directory / "model.safetensors", metadata={"format": "pt", "family": family})
     (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with the permissions ``open()`` would give (the umask's).
+
+    The safetensors writer creates its file 0600 (a private temp file renamed into place), so heads and
+    exports were unreadable to the group/others that can read every other output."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def save_head(path: str | os.PathLike, family: str, head_config: dict[str, Any], target: dict[str, Any],
@@ -124,4 +134,15 @@ def read_head(path: str | os.PathLike, family: str | None = None) -> tuple[dict[
         tensors = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise ValueError(f"could not read {weights}: {e}") from None
+    check_finite(tensors, weights)
     return cfg, tensors
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str | os.PathLike) -> None:
+    """Refuse weights holding NaN or Inf, naming the file and tensor: such a head drafts garbage (or nothing)
+    and an eval would report its τ without a word."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise ValueError(f"{source}: tensor {name!r} {tuple(t.shape)} holds {n_nan} NaN and {n_inf} Inf values; "
+                             f"the checkpoint is corrupt or training diverged (retrain, or use an earlier checkpoint)")

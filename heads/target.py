@@ -197,6 +197,11 @@ def resolve_embedded(name: str) -> tuple[Path, str]:
         model.config._name_or_path = EMBEDDED_TARGETS[name][2]
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        from heads.checkpoint import _umask
+
+        for f in tmp.iterdir():  # the safetensors writer makes 0600 files; the cache follows the umask
+            os.chmod(f, 0o666 & ~_umask())
+        os.chmod(tmp, 0o777 & ~_umask())
         (tmp / "draftheads_source.json").write_text(json.dumps(
             {"embedded": name, "gguf": str(gguf.name), "revision": revision, "hub_id": EMBEDDED_TARGETS[name][2]}))
         if out.exists():
@@ -343,9 +348,43 @@ def resolve_target(cfg: TargetConfig) -> tuple[str, str | None]:
     if cfg.name in EMBEDDED_TARGETS:
         path, rev = resolve_embedded(cfg.name)
         return str(path), rev
-    if Path(cfg.name).exists():
+    local = Path(str(cfg.name)).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"target.name={cfg.name!r}: {local} is not a model directory (expected a directory with "
+                             f"config.json, the weights and the tokenizer files)")
         return cfg.name, cfg.revision
+    offline = cfg.local_files_only or _hub_offline()
+    if offline and not _in_hub_cache(str(cfg.name), cfg.revision):
+        looks_local = str(cfg.name).startswith((".", "/", "~")) or str(cfg.name).count("/") > 1
+        how = ("target.local_files_only=true" if cfg.local_files_only else "HF_HUB_OFFLINE is set")
+        raise ValueError(
+            f"target.name={cfg.name!r} was not found locally: it is not an embedded target ({', '.join(EMBEDDED_TARGETS)})"
+            + (", and no such directory exists" if looks_local else ", not a local directory, and not in the Hugging "
+               "Face cache") + f"; runs are offline by default ({how}): point target.name at a local model directory "
+            "(config.json + weights + tokenizer), or allow a download of a hub id with target.local_files_only=false "
+            "and network access")
     return cfg.name, cfg.revision
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except (ImportError, AttributeError):  # pragma: no cover
+        return False
+
+
+def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
+    """Whether a hub id's config.json is in the local Hugging Face cache (what an offline load can use)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    except Exception:  # an invalid repo id, an unreadable cache: not loadable offline either
+        return False
+    return isinstance(hit, str)
 
 
 def load_target(cfg: TargetConfig | dict | Any, device: str | torch.device = "cpu") -> FrozenTarget:

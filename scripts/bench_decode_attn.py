@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 from data_prep.distill import generate_batch  # noqa: E402
 from data_prep.sources import load_conversations  # noqa: E402
 from data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
+from heads import job  # noqa: E402
 from heads.checkpoint import atomic_write_text  # noqa: E402
 from heads.target import TargetConfig, dtype_name, load_target, parse_dtype, resolve_device  # noqa: E402
 
@@ -88,4 +89,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    job.cli(main)

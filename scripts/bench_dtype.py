@@ -24,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from heads import job  # noqa: E402
 from heads.checkpoint import atomic_write_text  # noqa: E402
 from heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, parse_dtype  # noqa: E402
 
@@ -86,4 +87,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    job.cli(main)

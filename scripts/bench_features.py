@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from data_prep.dataset import collate, model_inputs, prepare_data  # noqa: E402
 from data_prep.features import main as features_main, resolve_layers, shard_batches  # noqa: E402
+from heads import job  # noqa: E402
 from heads.checkpoint import atomic_write_text  # noqa: E402
 from heads.target import dtype_name, load_target, parse_dtype  # noqa: E402
 
@@ -212,4 +213,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    job.cli(main)

@@ -29,6 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from heads import job  # noqa: E402
 from heads.checkpoint import atomic_write_text  # noqa: E402
 from heads.eagle3 import Eagle3Draft, eagle3_config_for  # noqa: E402
 from heads.target import from_model  # noqa: E402
@@ -123,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    job.cli(main)

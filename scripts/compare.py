@@ -48,5 +48,7 @@ def table(paths: list[str], markdown: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--md"]
-    print(table(args, markdown="--md" in sys.argv))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from heads import job
+
+    job.cli(lambda: print(table([a for a in sys.argv[1:] if a != "--md"], markdown="--md" in sys.argv)))

@@ -36,7 +36,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
@@ -45,7 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/export.py` from the repo root
     sys.path.insert(0, str(REPO))
 
-from heads.checkpoint import atomic_dir  # noqa: E402
+from heads import job  # noqa: E402
+from heads.checkpoint import atomic_dir, save_safetensors  # noqa: E402
 from heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
 from heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
 
@@ -208,7 +208,7 @@ def export(draft: Eagle3Draft, target: FrozenTarget, out: str | Path, fmt: str, 
     tensors = export_tensors(draft, target, fmt, dtype)
     check_export(tensors, config, fmt, required_keys(draft, fmt), f"export of {fmt}")
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})  # umask's mode, not 0600
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return Path(out)
 
@@ -327,7 +327,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     target = load_target(tcfg)
     draft = Eagle3Draft.from_pretrained(cfg.checkpoint, target, bool(cfg.allow_target_mismatch))
     ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
-    steps = int(cfg.speculative_tokens or ck.get("ttt_steps") or 3)
+    steps = job.config_int(cfg, "speculative_tokens", int(ck.get("ttt_steps") or 3), 1)  # null: the trained k
     verifier = cfg.verifier or resolve_target(tcfg)[0]
     out = Path(cfg.out or f"{str(cfg.checkpoint).rstrip('/')}-{cfg.format}")
     # ---- export + check
@@ -344,7 +344,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="export")
+@job.main(config_name="export")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from heads import job  # noqa: E402
 from eval.tau import paired_forwards  # noqa: E402
 
 
@@ -77,4 +78,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    job.cli(main, sys.argv[1:])

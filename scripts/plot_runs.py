@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from heads import job  # noqa: E402
 from eval.measure import depth_stats  # noqa: E402
 from eval.report import save_png  # noqa: E402
 from eval.tau import tau  # noqa: E402
@@ -105,4 +106,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    job.cli(main, sys.argv[1:])

@@ -26,13 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/publish.py` from the repo root
     sys.path.insert(0, str(REPO))
 
+from heads import job  # noqa: E402
 from heads.checkpoint import atomic_dir, read_head  # noqa: E402
 from heads.target import EMBEDDED_TARGETS  # noqa: E402
 
@@ -273,7 +273,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="publish")
+@job.main(config_name="publish")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from data_prep.dataset import prepare_data  # noqa: E402
 from data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores,  # noqa: E402
                                    select_draft_vocab, vocab_stats)
+from heads import job  # noqa: E402
 from heads.checkpoint import atomic_write_text  # noqa: E402
 from heads.eagle3 import resolve_draft_vocab_size  # noqa: E402
 from heads.target import load_target  # noqa: E402
@@ -84,8 +85,4 @@ def main(argv: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:  # bad sizes, data or reference file: one line naming it, no stack trace
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    job.cli(main, sys.argv[1:])  # bad sizes, data or reference file: one line naming it, no stack trace

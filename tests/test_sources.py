@@ -155,11 +155,11 @@ def test_corrupt_record_in_pretty_array(tmp_path):
     with pytest.raises(DataError) as ei:
         load_conversations("x", path=str(p), on_error="raise")
     assert "record 1" in str(ei.value) and str(p) in str(ei.value) and ei.value.reason == "bad_json"
-    # minified: the next record cannot be located reliably -> error even in skip mode
+    # minified: the next record is found too (a candidate must decode to a record, so turns never count)
     p2 = tmp_path / "corrupt_min.json"
     p2.write_text(json.dumps(GOOD).replace('"id": "b"', '"id": "b" oops', 1))
-    with pytest.raises(DataError, match="not pretty-printed"):
-        load_conversations("x", path=str(p2))
+    convs, st = load_conversations("x", path=str(p2))
+    assert [c.id for c in convs] == ["a", "c", "d"] and st.skipped == {"bad_json": 1}
 
 
 def test_jsonl_with_malformed_line(tmp_path, caplog):
@@ -494,3 +494,167 @@ def test_sharegpt_full_file():
     check_accounting(st)
     for c in convs[::50]:
         assert_well_formed(c)
+
+
+# --------------------------------------------------------------------------- issue 24: no complete record lost
+
+MANY = [sg(f"r{i}", ("human", f"question {i}"), ("gpt", f"answer {i}")) for i in range(6)]
+
+
+def ids_of(path, on_error="skip"):
+    convs, st = load_conversations("x", path=str(path), on_error=on_error)
+    check_accounting(st)
+    return [c.id for c in convs], st
+
+
+def test_resync_when_the_error_is_the_newline_ending_the_bad_record(tmp_path):
+    text = json.dumps(MANY, indent=2)
+    # r2 lost its closing brace: the decoder fails only at the '{' that starts r3, after the newline
+    end2 = text.index("}", text.index('"answer 2"') + 20)  # r2's own '}' (the turn's closes first)
+    bad = text[:end2] + text[end2 + 1:]
+    p = tmp_path / "nl.json"
+    p.write_text(bad)
+    got, st = ids_of(p)
+    assert got == ["r0", "r1", "r3", "r4", "r5"] and st.skipped == {"bad_json": 1}
+
+
+@pytest.mark.parametrize("where", [0, 3, 6])
+def test_comment_line_inside_an_array_is_skipped_not_the_end(tmp_path, where):
+    recs = [json.dumps(r, indent=2).replace("\n", "\n  ") for r in MANY]
+    parts = ["  " + r for r in recs]
+    if where < len(parts):
+        parts[where] = "  // a comment someone left here\n" + parts[where]
+    else:
+        parts[-1] += "\n  // a comment someone left here"
+    text = "[\n" + ",\n".join(parts) + "\n]\n"
+    p = tmp_path / "comment.json"
+    p.write_text(text)
+    got, st = ids_of(p)
+    assert got == [r["id"] for r in MANY] and st.skipped == {"bad_json": 1}, (got, st)
+    with pytest.raises(DataError) as ei:
+        load_conversations("x", path=str(p), on_error="raise")
+    line = text[:text.index("//")].count("\n") + 1
+    assert f"line {line}" in str(ei.value) and str(p) in str(ei.value)
+
+
+def test_resync_whatever_the_indentation(tmp_path):
+    recs = [json.dumps(r, indent=2) for r in MANY]
+    # hand-edited file: records at different indentations, the broken one first on the '[' line
+    body = ["[" + recs[0].replace('"r0"', '"r0" oops'), "    " + recs[1].replace("\n", "\n    "), recs[2],
+            "\t" + recs[3].replace('"r3"', '"r3",,'), " " + recs[4], recs[5]]
+    p = tmp_path / "indent.json"
+    p.write_text(",\n".join(body) + "\n]")
+    got, st = ids_of(p)
+    assert got == ["r1", "r2", "r4", "r5"] and st.skipped == {"bad_json": 2}
+    # minified: the next record is found too
+    p2 = tmp_path / "min.json"
+    p2.write_text(json.dumps(MANY).replace('"r1"', '"r1" oops', 1))
+    got, st = ids_of(p2)
+    assert got == ["r0", "r2", "r3", "r4", "r5"] and st.skipped == {"bad_json": 1}
+
+
+def test_garbage_between_records_and_stray_brackets(tmp_path):
+    recs = [json.dumps(r, indent=2) for r in MANY]
+    text = ("[\n" + recs[0] + " ## junk ,\n" + recs[1] + "\n" + recs[2] + ",\n]\n" + recs[3] + ",\n[" + recs[4]
+            + ",\n" + recs[5] + "\n]")
+    p = tmp_path / "junk.json"
+    p.write_text(text)
+    got, st = ids_of(p)
+    assert got == [r["id"] for r in MANY], (got, st)
+    assert st.skipped.get("bad_json", 0) >= 3
+
+
+@pytest.mark.parametrize("layout", ["array", "jsonl"])
+def test_non_utf8_byte_drops_only_its_record(tmp_path, layout, caplog):
+    if layout == "array":
+        text = json.dumps(MANY, indent=2)
+        p = tmp_path / "bad.json"
+    else:
+        text = "".join(json.dumps(r) + "\n" for r in MANY)
+        p = tmp_path / "bad.jsonl"
+    at = text.index("answer 3") + 2
+    data = text[:at].encode() + b"\xff\xfe" + text[at:].encode()
+    p.write_bytes(data)
+    line = text[:at].count("\n") + 1
+    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+        got, st = ids_of(p)
+    assert got == ["r0", "r1", "r2", "r4", "r5"] and st.skipped == {"bad_encoding": 1}, (got, st)
+    assert any(f"line {line}" in r.getMessage() and "UTF-8" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+    with pytest.raises(DataError) as ei:
+        load_conversations("x", path=str(p), on_error="raise")
+    assert f"line {line}" in str(ei.value) and str(p) in str(ei.value) and "UTF-8" in str(ei.value)
+    assert ei.value.reason == "bad_encoding"
+
+
+def test_non_utf8_line_number_far_into_a_jsonl_file(tmp_path):
+    lines = [json.dumps(sg(f"q{i}", ("human", f"q{i} " + "é" * (i % 7) + "x" * (i * 37 % 500)), ("gpt", "ok"))) for i in range(200)]
+    data = "".join(ln + "\n" for ln in lines).encode()
+    off = sum(len(ln.encode()) + 1 for ln in lines[:149]) + 30  # inside line 150
+    p = tmp_path / "far.jsonl"
+    p.write_bytes(data[:off] + b"\x80" + data[off:])
+    with pytest.raises(DataError, match=r"line 150\b"):
+        load_conversations("x", path=str(p), on_error="raise")
+    got, st = ids_of(p)
+    assert len(got) == 199 and "q149" not in got and st.skipped == {"bad_encoding": 1}
+
+
+# --------------------------------------------------------------------------- property: corruption between records
+
+from hypothesis import HealthCheck, given, settings, strategies as hst  # noqa: E402
+
+_JUNK = hst.lists(hst.one_of(hst.sampled_from(list('{}[],:"\\/#*-+.0123456789abcxyz \t\n\r')),
+                             hst.sampled_from(["//", "/* c */", "null", "true", '{"a": ', '"id": ', '[{', "\\u12",
+                                               "\x00", "é", "☃"]),
+                             hst.binary(min_size=1, max_size=2).filter(lambda b: b[0] >= 0x80)),
+                  min_size=1, max_size=8)
+
+
+def _junk_bytes(parts) -> bytes:
+    return b"".join(x if isinstance(x, bytes) else x.encode() for x in parts)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=hst.integers(1, 5), layout=hst.sampled_from(["indent2", "indent0", "tab", "minified", "jsonl"]),
+       gaps=hst.dictionaries(hst.integers(0, 5), hst.tuples(_JUNK, hst.booleans()), min_size=1, max_size=3),
+       tricky=hst.booleans())
+def test_property_corruption_between_records_loses_no_untouched_record(tmp_path, n, layout, gaps, tricky):
+    text = 'a {b} "c", [d]\n},\n  {' if tricky else "plain"
+    gaps = {k % (n + 1): v for k, v in gaps.items()}  # gap i: before record i (n: after the last)
+    recs = [sg(f"id{i}", ("human", f"q{i} {text}"), ("gpt", f"a{i} {text}")) for i in range(n)]
+    if layout == "jsonl":
+        chunks = [json.dumps(r).encode() for r in recs]
+        out = b""
+        for i in range(n + 1):
+            if i in gaps:
+                out += _junk_bytes(gaps[i][0]) + b"\n"
+            if i < n:
+                out += chunks[i] + b"\n"
+        p = tmp_path / "prop.jsonl"
+    else:
+        indent = {"indent2": 2, "indent0": 0, "tab": "\t", "minified": None}[layout]
+        chunks = [json.dumps(r, indent=indent).encode() for r in recs]
+        sep = b"," if indent is None else b",\n"
+        out = b"[" if indent is None else b"[\n"
+        for i in range(n + 1):
+            junk = _junk_bytes(gaps[i][0]) if i in gaps else b""
+            before_comma = gaps[i][1] if i in gaps else False
+            if i == 0:
+                out += junk
+            elif i < n:
+                out += (junk + sep) if before_comma else (sep + junk)
+            else:
+                out += junk
+            if i < n:
+                out += chunks[i]
+        out += b"\n]\n"
+        p = tmp_path / "prop.json"
+    p.write_bytes(out)
+    convs, st = load_conversations("p", path=str(p))
+    got = [c.id for c in convs]
+    want = iter(got)
+    assert all(r["id"] in want for r in recs), (got, out)  # every untouched record, in order
+    assert len(got) == n, (got, out)
+    check_accounting(st)
+    if any(_junk_bytes(j).strip() for j, _ in gaps.values()):
+        assert st.n_skipped >= 1 or st.truncated_tail, (st, out)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
@@ -25,6 +24,7 @@ from torch import nn
 
 from data_prep.dataset import prepare_data, shifted_valid
 from data_prep.features import batch_hidden
+from heads import job
 from heads.eagle import EagleDraft, eagle_config_for
 from heads.target import FrozenTarget, load_target
 from train.common import draft_sequence, feature_source, heldout_evaluator
@@ -182,7 +182,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only, not on what loaded before
     draft = EagleDraft(head_cfg, target).to(acc.device)
     objective = EagleObjective(draft, target, float(h.w_feat), float(h.w_tok), str(h.noise), float(h.noise_scale),
-                               int(h.get("sim_depth") or SIM_DEPTH))
+                               job.config_int(h, "sim_depth", SIM_DEPTH, 1, "head"))
     feats = feature_source(cfg, target, data, objective.layers)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +210,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return write_summary(b["acc"], b["out_dir"], "eagle", result, features=b["source"])
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="eagle")
+@job.main(config_name="eagle")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

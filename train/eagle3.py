@@ -32,7 +32,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
@@ -43,6 +42,7 @@ from data_prep.dataset import prepare_data, shifted_valid
 from data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores, select_draft_vocab,
                                    vocab_stats)
 from data_prep.features import batch_hidden
+from heads import job
 from heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from heads.target import FrozenTarget, load_target
 from train.common import draft_sequence, feature_source, heldout_evaluator
@@ -344,7 +344,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                          ttt_steps=b["objective"].steps, draft_vocab=b["vocab"])
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="eagle3")
+@job.main(config_name="eagle3")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

@@ -281,6 +281,9 @@ def make_accelerator(cfg: Any):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
+    from train.checks import check_train_config
+
+    check_train_config(cfg)  # grad_accum=0, cuda without CUDA, ...: errors, not a silent wrong run
     t = cfg.train
     device = t.device
     if device == "auto":
@@ -693,10 +696,10 @@ class Trainer:
                 assert self._shadow is not None
                 self._shadow.load_state_dict(full)
                 self._shadow.save_pretrained(tmp, extra=extra)
-                from safetensors.torch import save_file
+                from heads.checkpoint import save_safetensors  # the umask's mode, not safetensors' 0600
 
                 (tmp / "trainer_state").mkdir()
-                save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / "trainer_state" / "draft.safetensors"))
+                save_safetensors({k: v.contiguous() for k, v in full.items()}, tmp / "trainer_state" / "draft.safetensors")
         elif self.mode == "deepspeed" and self.zero_stage == 3:
             import deepspeed
 
@@ -750,7 +753,8 @@ class Trainer:
                 "step": self.step, "global_batch": self.batches.global_batch, "world": acc.num_processes,
                 "data_position": self.step * self.batches.global_batch,
                 "epoch": round(self.batches.epoch_of(self.step), 6), "seed": int(self.cfg.train.seed),
-                "max_steps": self.max_steps, "launch": self.launch, "tau_best": self.tau_best}))
+                "max_steps": self.max_steps, "launch": self.launch, "tau_best": self.tau_best,
+                "data": self.extra.get("data")}))
             if final_dir.exists():
                 shutil.rmtree(final_dir)
             os.replace(tmp, final_dir)
@@ -762,13 +766,18 @@ class Trainer:
         return final_dir
 
     def try_resume(self) -> bool:
-        ckpts = list_checkpoints(self.out_dir)
-        if not ckpts:
+        from train.resume import check_same_data, explain_state_mismatch, pick_checkpoint, trim_metrics
+
+        picked = pick_checkpoint(self.out_dir)  # newest complete one; all incomplete: an error naming them
+        if picked is None:
             log.info("resume requested but no checkpoint in %s: starting fresh", self.out_dir / "checkpoints")
+            if self.acc.is_main_process:
+                trim_metrics(self.metrics_path, 0)  # a fresh start must not append to an old run's rows
             return False
-        step, path = ckpts[-1]
+        step, path = picked
         ts = path / "trainer_state"
         st = json.loads((ts / "state.json").read_text())
+        check_same_data(path, st, self.extra.get("data"), self.cfg)
         if st["global_batch"] != self.batches.global_batch:
             raise ValueError(
                 f"cannot resume from {path}: it was trained with a global batch of {st['global_batch']} "
@@ -808,7 +817,10 @@ class Trainer:
             if saved_mode == "fsdp":
                 raise ValueError(f"cannot resume {path} (written under FSDP) without FSDP: relaunch with "
                                  f"conf/launch/fsdp.yaml, or start from its head")
-            self._unwrapped().load_trainable_state_dict(load_file(str(path / "model.safetensors")))
+            try:
+                self._unwrapped().load_trainable_state_dict(load_file(str(path / "model.safetensors")))
+            except RuntimeError as e:  # "Missing key(s)" / size mismatch: say which head.* setting differs
+                raise explain_state_mismatch(path, self.cfg, e) from None
             # map to the CPU: a checkpoint written on cuda:0 must load on a CPU-only machine or on another rank's
             # GPU; load_state_dict moves each state tensor to its parameter's device
             self._opt().load_state_dict(torch.load(ts / "optimizer.pt", map_location="cpu", weights_only=True))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import hydra
 from hydra.utils import instantiate
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
+from heads import job
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget, load_target
 from train.loop import (Trainer, build_tau_evaluator, lockstep_batches, make_accelerator, resolve_out_dir,
@@ -199,7 +199,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     return write_summary(acc, out_dir, "medusa", result)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="medusa")
+@job.main(config_name="medusa")
 def _hydra_main(cfg: DictConfig) -> None:
     main(cfg)
 

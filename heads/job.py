@@ -1,0 +1,144 @@
+"""How every entry point ends: a user error is one line on stderr and exit code 2; a bug keeps its traceback.
+
+Why: Hydra prints a 15-25-line traceback ("Error executing job ...") before even a clear ``ValueError``
+message, so a user hunting for what to fix reads past the stack first. Entries declare themselves with
+:func:`main` (instead of ``hydra.main``) or run through :func:`cli` (plain ``argparse``/``sys.argv``
+scripts); both share :func:`guarded`. :func:`config_int` reads a numeric setting without ``x or default``.
+
+- User errors (:data:`USER_ERRORS`: ``ValueError`` and its subclasses such as ``DataError``, missing or
+  wrong files, a required ``???`` config value left unset) print ``error: <message>`` on one line and exit 2.
+- Hydra's own config-composition errors (unknown key, unknown config group option) keep Hydra's short
+  message (it prints no traceback for them) and exit 2 instead of 1.
+- Anything else is a bug: its traceback is shown as before (exit 1).
+- ``HYDRA_FULL_ERROR=1`` or ``DRAFTHEADS_DEBUG=1`` re-raise user errors too, with their traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+USER_EXIT = 2
+DEBUG_ENV = ("HYDRA_FULL_ERROR", "DRAFTHEADS_DEBUG")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errs: list[type[BaseException]] = [ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                                       PermissionError]
+    try:
+        from omegaconf.errors import MissingMandatoryValue
+
+        errs.append(MissingMandatoryValue)
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra
+        pass
+    return tuple(errs)
+
+
+USER_ERRORS = _user_errors()
+
+
+def debug_requested() -> bool:
+    """Whether the user asked for full tracebacks (HYDRA_FULL_ERROR=1 or DRAFTHEADS_DEBUG=1)."""
+    return any(os.environ.get(k, "").strip().lower() not in ("", "0", "false", "no") for k in DEBUG_ENV)
+
+
+def one_line(exc: BaseException) -> str:
+    """The error's message on a single line (OmegaConf appends 'full_key: ...' lines; keep what names the key)."""
+    if type(exc).__name__ == "MissingMandatoryValue":
+        key = getattr(exc, "full_key", None) or str(exc).splitlines()[0].rsplit(":", 1)[-1].strip()
+        return f"config key {key} has no value (it is ??? in the config): pass {key}=<value>"
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = "; ".join(lines) or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, PermissionError) and exc.filename and str(exc.filename) not in text:
+        text += f": {exc.filename}"
+    return text
+
+
+def report(exc: BaseException) -> None:
+    """Print the one-line message of a user error on stderr."""
+    sys.stdout.flush()
+    print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
+
+
+def guarded(fn: F) -> F:
+    """``fn`` with user errors turned into one stderr line and ``SystemExit(2)`` (unless debugging is asked)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as e:
+            if debug_requested():
+                raise
+            report(e)
+            raise SystemExit(USER_EXIT) from None
+    return run  # type: ignore[return-value]
+
+
+def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
+    """Drop-in for ``@hydra.main(version_base=None, config_path=..., config_name=...)`` with :func:`guarded`.
+
+    Hydra names the job (its log file ``<name>.log``) after the decorated function's file and resolves a
+    relative ``config_path`` against it; the wrapper lives here, so both are fixed from the entry's own file.
+    """
+    import hydra
+
+    def deco(task: F) -> F:
+        entry_file = Path(inspect.getfile(task)).resolve()
+        conf = config_path if os.path.isabs(config_path) else str((entry_file.parent / config_path).resolve())
+        started = False
+
+        def task_guarded(cfg: Any) -> Any:
+            nonlocal started
+            started = True
+            return guarded(task)(cfg)
+
+        functools.update_wrapper(task_guarded, task)
+        # Hydra reads the job name from the function's module when it is not __main__ (see
+        # hydra._internal.utils.detect_task_name): the entry file's stem, as with a plain hydra.main.
+        task_guarded.__module__ = entry_file.stem
+        hydra_entry = hydra.main(version_base=None, config_path=conf, config_name=config_name)(task_guarded)
+
+        @functools.wraps(task)
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return hydra_entry(*args, **kwargs)
+            except SystemExit as e:
+                # Hydra exits 1 after printing a composition error (unknown key, missing option) without
+                # having run the task: that is a user error too.
+                if e.code == 1 and not started:
+                    raise SystemExit(USER_EXIT) from None
+                raise
+        return entry  # type: ignore[return-value]
+    return deco
+
+
+def cli(fn: Callable[..., Any], *args: Any) -> None:
+    """Run a plain script's ``main(*args)`` and exit: its int return value is the exit code (else 0)."""
+    result = guarded(fn)(*args)
+    sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+def config_int(cfg: Any, key: str, default: int | None, minimum: int = 1, where: str = "") -> int | None:
+    """``cfg[key]`` as an int >= ``minimum``; a missing key or null means ``default``.
+
+    Why not ``int(cfg.get(key) or default)``: that turns an explicit 0 into the default, so a check on
+    the value can never fire and the run silently uses a setting nobody asked for."""
+    value = cfg.get(key) if cfg is not None else None
+    if value is None:
+        return default
+    name = f"{where}.{key}" if where else key
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if out != value and not isinstance(value, str):  # 2.5 is not 2
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if out < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+    return out
