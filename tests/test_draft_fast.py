@@ -1,0 +1,106 @@
+"""Fast drafting: the preallocated draft KV cache drafts exactly what a growing/cropped DynamicCache drafts, and
+the cache itself appends, grows and rolls back like a fresh prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from eval.draft_cache import DraftKVCache
+from eval.eagle3_drafter import Eagle3Drafter
+from eval.eagle_drafter import EagleDrafter, EagleTreeConfig
+from eval.generate import NoDrafter, generate, keep_cache_positions
+from heads.eagle import EagleDraft, eagle_config_for
+from heads.eagle3 import Eagle3Draft, eagle3_config_for
+from heads.target import from_model
+
+TREES = [EagleTreeConfig(top_k=4, depth=5, nodes=20), EagleTreeConfig(kind="chain", depth=4),
+         EagleTreeConfig(kind="static", paths=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])]
+
+
+def _reference(cls):
+    """The drafter on the old storage: a transformers DynamicCache grown by cat and cut back by index_select."""
+
+    class Ref(cls):
+        def _new_cache(self, prompt_len: int):
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.draft.layer_config)
+
+        def _rollback(self) -> None:
+            keep_cache_positions(self.cache, torch.arange(self.committed))
+
+    return Ref
+
+
+def _drafts(kind: str, family: str):
+    tgt = from_model(tiny_model(kind, vocab_size=128, seed=3))
+    torch.manual_seed(0)
+    if family == "eagle":
+        d = EagleDraft(eagle_config_for(tgt), tgt)
+        cls = EagleDrafter
+    else:
+        d = Eagle3Draft(eagle3_config_for(tgt, [1, 2, 3], 60), tgt)
+        d.set_vocab(torch.randperm(128, generator=torch.Generator().manual_seed(0))[:60])
+        cls = Eagle3Drafter
+    for p in d.parameters():
+        p.data.normal_(0, 0.3) if p.ndim == 2 else p.data.uniform_(0.5, 1.5)
+    return tgt, d, cls
+
+
+def _record(drafter):
+    """Wrap propose/_children so every proposed tree and every frontier's top-k log-probs are kept."""
+    trees, lps = [], []
+    propose, children = drafter.propose, drafter._children
+
+    def rec_propose(*a):
+        trees.append(propose(*a))
+        return trees[-1]
+
+    def rec_children(*a):
+        out = children(*a)
+        lps.append(out[1])
+        return out
+
+    drafter.propose, drafter._children = rec_propose, rec_children
+    return trees, lps
+
+
+@pytest.mark.parametrize("family", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_preallocated_cache_drafts_exactly_what_the_dynamic_cache_drafts(kind, family):
+    tgt, d, cls = _drafts(kind, family)
+    for tc in TREES:
+        fast, ref = cls(d, tc), _reference(cls)(d, tc)
+        got, want = _record(fast), _record(ref)
+        for prompt in ([1, 2, 3, 4, 5], list(range(10, 40))):
+            plain = generate(tgt, NoDrafter(), prompt, 24).tokens
+            a, b = generate(tgt, fast, prompt, 24), generate(tgt, ref, prompt, 24)
+            assert a.tokens == b.tokens == plain and a.accepted == b.accepted
+            assert fast.committed == ref.committed
+            torch.testing.assert_close(fast.cache.layers[0].keys, ref.cache.layers[0].keys, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(fast.cache.layers[0].values, ref.cache.layers[0].values, rtol=1e-5, atol=1e-6)
+        assert len(got[0]) == len(want[0]) > 10
+        for x, y in zip(got[0], want[0]):
+            assert torch.equal(x.tokens, y.tokens) and torch.equal(x.parents, y.parents)
+            assert torch.equal(x.mask, y.mask) and torch.equal(x.depths, y.depths)
+        for x, y in zip(got[1], want[1]):  # the dynamic tree's top-k log-probs, frontier by frontier
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_kv_cache_appends_grows_and_rolls_back():
+    c = DraftKVCache(capacity=4)
+    g = torch.Generator().manual_seed(0)
+    ks = [torch.randn(1, 2, n, 3, generator=g) for n in (3, 2, 5)]
+    vs = [k + 1 for k in ks]
+    k, v = c.update(ks[0], vs[0], 0)
+    assert c.length == 3 and torch.equal(k, ks[0]) and torch.equal(v, vs[0])
+    k, v = c.update(ks[1], vs[1], 0)  # grows past the capacity of 4, keeping the filled part
+    assert c.capacity >= 5 and torch.equal(k, torch.cat(ks[:2], dim=2)) and torch.equal(v, torch.cat(vs[:2], dim=2))
+    c.crop(3)  # roll back the second append
+    k, v = c.update(ks[2], vs[2], 0)
+    assert c.length == 8 and torch.equal(k, torch.cat([ks[0], ks[2]], dim=2))
+    assert torch.equal(c.layers[0].values, torch.cat([vs[0], vs[2]], dim=2))
+    with pytest.raises(ValueError, match="cannot crop a draft cache of 8 entries to 9"):
+        c.crop(9)
