@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from eval.draft_cache import DraftKVCache
+from eval.draft_logits import ScreenedTopK, screening_available
 from eval.generate import DraftTree
 from eval.trees import StaticTree, ancestor_mask, chain, default_tree, dynamic_tree, static_tree
 from heads.eagle import EagleDraft
@@ -73,10 +74,15 @@ class EagleDrafter:
     after a step is a length reset.
     """
 
-    def __init__(self, draft: EagleDraft, tree: EagleTreeConfig | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, draft: EagleDraft, tree: EagleTreeConfig | None = None, dtype: torch.dtype | None = None,
+                 screen: bool | None = None):
+        """``screen``: int8-screened top-k over the vocabulary (eval.draft_logits); None = where it pays
+        (bf16/fp16 on a CPU), so fp32 drafts keep the exact logits."""
         self.draft = draft.eval()
         if dtype is not None:
             self.draft.cast(dtype)
+        w = self._lm_weight()
+        self._screen = ScreenedTopK(w) if (screening_available(w) if screen is None else screen) else None
         self.tree_cfg = tree or EagleTreeConfig()
         self.static = None if self.tree_cfg.kind == "dynamic" else self.tree_cfg.static()
         self.layers = self._feature_layers(draft)  # what generate() must hand us from the target
@@ -132,6 +138,15 @@ class EagleDrafter:
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft output ids -> target token ids (identity: EAGLE drafts over the target's vocabulary)."""
         return ids
+
+    def _lm_weight(self) -> torch.Tensor:
+        """[V, H] the output projection the draft's logits come from (the target's frozen lm_head)."""
+        return self.draft._lm_head.weight
+
+    def _lm_input(self, h: torch.Tensor) -> torch.Tensor:
+        """[F, H] draft outputs -> what the output projection reads (EagleDraft.logits without the projection)."""
+        h = h.to(self._lm_weight().dtype)
+        return h if self.draft._final_norm is None else self.draft._final_norm(h)
 
     # ------------------------------------------------------------------ internals
     def _new_cache(self, prompt_len: int) -> Any:
@@ -214,8 +229,15 @@ class EagleDrafter:
         idx = [0 if n == 0 else self._entry[n] + 1 for n in nodes]
         return self._hs[torch.tensor(idx, device=self.device)]
 
-    def _logprobs(self, nodes: list[int]) -> torch.Tensor:
-        return torch.log_softmax(self.draft.logits(self._rows(nodes)).float(), dim=-1)  # [F, V]
+    def _topk(self, nodes: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target ids [F, k], log-probs [F, k]) of the best next tokens after each of ``nodes``, best first."""
+        h = self._rows(nodes)  # [F, H]
+        if self._screen is not None:
+            ids, lp = self._screen.topk(self._lm_input(h), k)
+        else:
+            logp = torch.log_softmax(self.draft.logits(h).float(), dim=-1)  # [F, V]
+            lp, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        return self._to_target(ids), lp
 
     def _children(self, frontier: list[int], tokens: list[int], parents: list[int], depths: list[int],
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,9 +245,8 @@ class EagleDrafter:
         todo = [n for n in frontier if n not in self._h]
         if todo:
             self._expand(todo, tokens, parents, depths)
-        lp = self._logprobs(frontier)
-        top = lp.topk(min(self.tree_cfg.top_k, lp.shape[-1]), dim=-1)
-        return self._to_target(top.indices).cpu(), top.values.cpu()
+        ids, lp = self._topk(frontier, self.tree_cfg.top_k)
+        return ids.cpu(), lp.cpu()
 
     def _static_tree(self, root: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill a static topology: node (depth d, rank r) = rank-r token of its parent's draft distribution."""
@@ -240,7 +261,7 @@ class EagleDrafter:
             if todo:
                 self._expand(todo, tokens, par, dep)
             need = max(rank[i] for i in level) + 1
-            top = self._to_target(self._logprobs(ps).topk(need, dim=-1).indices).tolist()  # [P, need]
+            top = self._topk(ps, need)[0].tolist()  # [P, need]
             row = {p: j for j, p in enumerate(ps)}
             for i in level:
                 tokens[i] = top[row[par[i]]][rank[i]]
