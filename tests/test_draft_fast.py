@@ -162,3 +162,28 @@ def test_screened_medusa_drafts_the_exact_candidates():
         for h in hs:
             exact.h = screened.h = h
             assert torch.equal(screened.propose(5, None, None).tokens, exact.propose(5, None, None).tokens)
+
+
+def test_verification_reads_lm_head_rows_lazily_and_they_equal_the_full_pass():
+    from eval.generate import LazyLogitRows, first_choice_chain, tree_forward
+    from eval.trees import ancestor_mask, depths_of
+
+    tgt = from_model(tiny_model("llama", vocab_size=128, seed=3))
+    prompt = torch.tensor([[5, 9, 13, 17, 21, 25]])
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    tokens = torch.tensor([30, 31, 32, 33, 34, 35, 36])
+    assert first_choice_chain(parents) == [0, 1, 3, 6]
+    outs = []
+    for logits in (True, False):
+        cache = tgt.new_cache()
+        tgt(prompt, cache=cache, logits=False)
+        outs.append(tree_forward(tgt, tokens, ancestor_mask(parents), depths_of(parents), 6, cache, logits=logits))
+    full, lazy_out = outs
+    assert lazy_out["logits"] is None
+    lazy = LazyLogitRows(lazy_out["last_hidden"][0], tgt.lm_head(), first_choice_chain(parents))
+    assert lazy.computed == 4 and lazy.shape == full["logits"][0].shape
+    for i in (0, 3, 6):
+        torch.testing.assert_close(lazy[i], full["logits"][0, i], rtol=1e-5, atol=1e-5)
+    assert lazy.computed == 4  # prefetched
+    torch.testing.assert_close(lazy[5], full["logits"][0, 5], rtol=1e-5, atol=1e-5)
+    assert lazy.computed == 5 and lazy.seconds > 0
