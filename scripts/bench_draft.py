@@ -81,10 +81,11 @@ def parse_config(spec: str) -> dict[str, Any]:
 
 
 def make_drafter(c: dict[str, Any], target: FrozenTarget, dtype: torch.dtype, ckpt: dict[str, str | None],
-                 seed: int = 0) -> Any:
+                 seed: int = 0, screen: bool | None = None) -> Any:
     """A drafter of the config's family: from a checkpoint if one was given, else random heads of real shapes."""
     torch.manual_seed(seed)
     fam, dev = c["family"], target.device
+    kw = {} if screen is None else {"screen": screen}  # (drafters before the screen option take no such argument)
     if fam.startswith("medusa"):
         if ckpt.get("medusa") and fam == "medusa":
             heads = MedusaHeads.from_pretrained(ckpt["medusa"], target)
@@ -93,19 +94,19 @@ def make_drafter(c: dict[str, Any], target: FrozenTarget, dtype: torch.dtype, ck
             for b in heads.blocks.parameters():  # identity init is all zeros; random blocks cost the same
                 b.data.normal_(0, 0.02)
         tree, _ = medusa_tree(OmegaConf.create({"size": c["size"]}), heads.config.num_heads, None)
-        return MedusaDrafter(heads.to(dev), tree, dtype)
+        return MedusaDrafter(heads.to(dev), tree, dtype, **kw)
     tc = EagleTreeConfig(kind=c["kind"], top_k=c.get("top_k", 10), depth=c.get("depth", 6), nodes=c["size"] - 1)
     if fam == "eagle":
         draft = (EagleDraft.from_pretrained(ckpt["eagle"], target) if ckpt.get("eagle")
                  else EagleDraft(eagle_config_for(target), target))
-        return EagleDrafter(draft.to(dev), tc, dtype)
+        return EagleDrafter(draft.to(dev), tc, dtype, **kw)
     if ckpt.get("eagle3"):
         draft = Eagle3Draft.from_pretrained(ckpt["eagle3"], target)
     else:
         draft = Eagle3Draft(eagle3_config_for(target, None, None), target)
         V, DV = target.vocab_size, draft.config.draft_vocab_size
         draft.set_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:DV])
-    return Eagle3Drafter(draft.to(dev), tc, dtype)
+    return Eagle3Drafter(draft.to(dev), tc, dtype, **kw)
 
 
 def bench_prompt(target: FrozenTarget, context: int) -> list[int]:
@@ -132,13 +133,18 @@ def per_step(res: Any) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    if args.clock == "cpu":  # this thread's CPU time: on an oversubscribed host wall time counts other jobs' turns
+        import eval.generate as gen
+
+        gen._clock = lambda dev: time.thread_time()
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     configs = [parse_config(s) for s in args.configs.split(",") if s.strip()]
     ckpt = {"medusa": args.medusa, "eagle": args.eagle, "eagle3": args.eagle3}
     target = load_target(TargetConfig(dtype=dtype_name(dtype)), device)
     prompt = bench_prompt(target, args.context)
-    drafters = [make_drafter(c, target, dtype, ckpt) for c in configs]
+    screen = {"auto": None, "on": True, "off": False}[args.screen]
+    drafters = [make_drafter(c, target, dtype, ckpt, screen=screen) for c in configs]
     n_new = args.steps + 1
     plain: list[dict[str, float]] = []
     runs: list[list[dict[str, float]]] = [[] for _ in configs]
@@ -167,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "device": str(device), "dtype": dtype_name(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "cpu": getattr(torch.cpu, "get_capabilities", lambda: {})().get("cpu_name") if device.type == "cpu" else None,
-        "context": len(prompt), "steps": args.steps, "repeats": args.repeats,
+        "clock": args.clock, "screen": args.screen, "context": len(prompt), "steps": args.steps, "repeats": args.repeats,
         "checkpoints": {k: v for k, v in ckpt.items() if v},
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "t1_ms": round(t1, 3), "plain_book_ms": round(plain_book, 3), "plain_book_pct_of_t1": round(100 * plain_book / t1, 1),
@@ -194,6 +200,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--medusa", default=None, help="Medusa checkpoint dir (replaces the random 'medusa' heads)")
     ap.add_argument("--eagle", default=None, help="EAGLE checkpoint dir")
     ap.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint dir")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="cpu: this thread's CPU time (stable on a shared, oversubscribed host); wall: perf_counter")
+    ap.add_argument("--screen", choices=("auto", "on", "off"), default="auto",
+                    help="int8-screened draft top-k (eval.draft_logits): auto = bf16/fp16 on a CPU")
     ap.add_argument("--out", default="runs/bench/draft.json")
     args = ap.parse_args(argv)
     if min(args.steps, args.repeats, args.context, args.threads) < 1:
