@@ -28,10 +28,11 @@ def screening_available(weight: torch.Tensor) -> bool:
 class ScreenedTopK:
     """top-k rows of ``x @ weight.T`` (weight [V, H]) via an int8 screen of the vocabulary."""
 
-    def __init__(self, weight: torch.Tensor, shortlist: int = 64):
+    def __init__(self, weight: torch.Tensor, shortlist: int = 32):
         w = weight.detach().float()  # [V, H]
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [V] per-row symmetric scale
-        self.wq_t = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).t().contiguous()  # [H, V]
+        self.wq = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [V, H]
+        self.wq_t = self.wq.t().contiguous()  # [H, V]: the faster layout for several rows (one query: wq.t())
         self.scale = scale  # [V] float32
         self.weight = weight.detach()  # [V, H] exact rows for the rescoring
         self.shortlist = int(shortlist)
@@ -41,7 +42,8 @@ class ScreenedTopK:
         xf = x.float()
         xs = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0  # [F, 1]
         xq = (xf / xs).round().clamp(-127, 127).to(torch.int8)  # [F, H]
-        return torch._int_mm(xq, self.wq_t).float().mul_(xs).mul_(self.scale)  # [F, V]
+        acc = torch._int_mm(xq, self.wq.t() if xq.shape[0] == 1 else self.wq_t)  # [F, V] int32
+        return torch.mul(acc, self.scale).mul_(xs)  # [F, V] float32
 
     def topk(self, x: torch.Tensor, k: int, logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [F, k], values [F, k] float32) best first: log-probabilities (or raw logits if not ``logprobs``)."""
