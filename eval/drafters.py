@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from eval.draft_logits import ScreenedTopK, screening_available
 from eval.generate import DraftTree, NoDrafter
 from eval.trees import StaticTree, ancestor_mask, default_tree, generic_accuracies, static_tree
 from heads.checkpoint import read_head
@@ -20,12 +21,19 @@ class MedusaDrafter:
 
     layers = (-1,)
 
-    def __init__(self, heads: MedusaHeads, tree: StaticTree, dtype: torch.dtype | None = None):
+    def __init__(self, heads: MedusaHeads, tree: StaticTree, dtype: torch.dtype | None = None,
+                 screen: bool | None = None):
+        """``screen``: int8-screened top-k per head (eval.draft_logits); None = where it pays (bf16/fp16 CPU)."""
         if tree.max_depth > heads.config.num_heads:
             raise ValueError(f"tree depth {tree.max_depth} exceeds the {heads.config.num_heads} Medusa heads")
         self.heads = heads.eval()
         if dtype is not None:
             self.heads.to(dtype)
+        K = tree.max_depth
+        ws = ([heads._shared_lm_head.weight] if heads.lm_heads is None
+              else [heads.lm_heads[k].weight for k in range(K)])  # [V, H] each
+        use = screening_available(ws[0]) if screen is None else screen
+        self._screens = [ScreenedTopK(w) for w in ws] if use else None
         self.tree = tree
         self.topk = max(tree.max_rank())
         self.mask = ancestor_mask(tree.parents)
@@ -42,16 +50,25 @@ class MedusaDrafter:
         K = self.tree.max_depth
         h = self.h.to(next(self.heads.parameters(), self.h).dtype)
         hk = torch.stack([self.heads.head_hidden(k, h) for k in range(K)])  # [K, H]
-        if self.heads.lm_heads is None:  # one [K, H] x [H, V] product reads the shared weight once
-            logits = self.heads.project(0, hk)  # [K, V]
-        else:
-            logits = torch.stack([self.heads.project(k, hk[k]) for k in range(K)])  # [K, V]
-        cands = logits.topk(self.topk, dim=-1).indices  # [K, topk]
+        cands = self._candidates(hk)  # [K, topk]
         tokens = torch.cat([torch.tensor([root], device=cands.device), cands.view(-1)[self._flat.to(cands.device)]])
         return DraftTree(tokens.cpu(), self.tree.parents, None, self.tree.depths, self.mask)
 
     def accept(self, tree: DraftTree, path, next_token: int, hidden: dict[int, torch.Tensor]) -> None:
         self.h = hidden[-1][-1]  # [H] at the last accepted node
+
+    def _candidates(self, hk: torch.Tensor) -> torch.Tensor:
+        """[K, H] head states -> [K, topk] ranked candidate ids per head."""
+        K = hk.shape[0]
+        if self._screens is not None and len(self._screens) == 1:  # shared lm_head: one screen over all K rows
+            return self._screens[0].topk(hk, self.topk, logprobs=False)[0]
+        if self._screens is not None:
+            return torch.cat([s.topk(hk[k: k + 1], self.topk, logprobs=False)[0] for k, s in enumerate(self._screens)])
+        if self.heads.lm_heads is None:  # one [K, H] x [H, V] product reads the shared weight once
+            logits = self.heads.project(0, hk)  # [K, V]
+        else:
+            logits = torch.stack([self.heads.project(k, hk[k]) for k in range(K)])  # [K, V]
+        return logits.topk(self.topk, dim=-1).indices
 
 
 def checkpoint_family(path: str | Path) -> str:

@@ -35,6 +35,12 @@ class Eagle3Drafter(EagleDrafter):
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.draft.to_target(ids.to(self.device))
 
+    def _lm_weight(self) -> torch.Tensor:
+        return self.draft.lm_head.weight  # [DV, H] the draft vocabulary's rows
+
+    def _lm_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.draft.norm(h.to(self._lm_weight().dtype))
+
 
 def build_eagle3_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
                          allow_target_mismatch: bool = False) -> tuple[Eagle3Drafter, dict[str, Any]]:

@@ -188,6 +188,61 @@ class LazySampledProbs:
         return torch.stack([self[i] for i in range(len(self))])
 
 
+class LazyLogitRows:
+    """Target logits [N, V] of a tree forward whose rows go through the lm_head only when first read.
+
+    Verification reads the root's row and the rows of accepted nodes only (every rule walks down one
+    path), yet the lm_head over all N nodes is the costliest single product of a wide tree forward on
+    a CPU: [64, H] x [H, 49k] took ~3x a one-row pass here. ``prefetch`` rows (the drafter's
+    first-choice chain, the likeliest accepted path) go through in one product; any other row read is
+    computed alone. A row is the same product as in the full pass, so greedy results are unchanged.
+    """
+
+    def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, prefetch: Sequence[int] = ()):
+        self.hidden = hidden  # [N, H] final-normed last hidden states
+        self.lm_head = lm_head
+        self.shape = torch.Size((hidden.shape[0], lm_head.weight.shape[0]))
+        self.dtype = lm_head.weight.dtype
+        self.computed = 0  # rows that went through the lm_head (tests, benchmarks)
+        self.seconds = 0.0  # time spent on rows computed after construction (the loop counts it as target time)
+        self._rows: dict[int, torch.Tensor] = {}
+        if prefetch:
+            idx = list(prefetch)
+            out = lm_head(hidden[torch.tensor(idx, device=hidden.device)])  # [P, V]
+            self._rows.update((i, out[j]) for j, i in enumerate(idx))
+            self.computed += len(idx)
+
+    def dim(self) -> int:
+        return 2
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return int(self.shape[0])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = int(i)
+        if i not in self._rows:
+            t0 = _clock(self.hidden.device)
+            self._rows[i] = self.lm_head(self.hidden[i: i + 1])[0]  # [V]
+            self.computed += 1
+            self.seconds += _clock(self.hidden.device) - t0
+        return self._rows[i]
+
+
+def first_choice_chain(parents: torch.Tensor) -> list[int]:
+    """Root, its first child, that child's first child, ...: the path a drafter ranks best (siblings best first)."""
+    first: dict[int, int] = {}
+    for j, p in enumerate(parents.tolist()):
+        if p >= 0 and p not in first:
+            first[p] = j
+    chain = [0]
+    while chain[-1] in first:
+        chain.append(first[chain[-1]])
+    return chain
+
+
 def _target_dist(logits: torch.Tensor, mode: str, sampling: dict[str, Any] | None) -> LazySampledProbs:
     """Rows for verify_tree: raw float logits in greedy mode (argmax only), else processed distributions."""
     return LazySampledProbs(logits, None if mode == "greedy" else (sampling or {}))
@@ -201,22 +256,23 @@ def _clock(dev: torch.device) -> float:
 
 
 def tree_forward(target: FrozenTarget, tokens: torch.Tensor, mask: torch.Tensor | None, depths: torch.Tensor,
-                 cur: int, cache: Any, layers: Sequence[int] = ()) -> dict[str, Any]:
+                 cur: int, cache: Any, layers: Sequence[int] = (), logits: bool = True) -> dict[str, Any]:
     """One verification forward of N tree nodes on top of ``cur`` cached tokens (the loop's only target call).
 
     tokens [N]; mask [N, N] ancestor mask (None for a single node: the plain causal path); depths [N].
     Positions are cur + depth; every node attends to the whole prefix and to its ancestors. Shared with
-    eval.measure's latency profile so the profile times exactly what the loop runs.
+    eval.measure's latency profile. ``logits=False`` skips the lm_head (the loop then reads rows lazily,
+    :class:`LazyLogitRows`); ``last_hidden`` [1, N, H] is returned either way.
     """
     dev = target.device
     n = int(tokens.numel())
     if n == 1:  # plain step: the usual causal path, no custom mask
         return target(tokens.view(1, 1).to(dev), cache=cache, layers=layers,
-                      position_ids=torch.tensor([[cur]], device=dev))
+                      position_ids=torch.tensor([[cur]], device=dev), logits=logits)
     full = torch.ones(n, cur + n, dtype=torch.bool, device=dev)  # [N, cur+N]: prefix, then ancestors
     full[:, cur:] = mask.to(dev)
     return target(tokens.view(1, n).to(dev), cache=cache, layers=layers, attention_mask=full[None, None],
-                  position_ids=(cur + depths).view(1, n).to(dev))
+                  position_ids=(cur + depths).view(1, n).to(dev), logits=logits)
 
 
 @torch.no_grad()
@@ -266,10 +322,14 @@ def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | tor
         depths = tree.depths if tree.depths is not None else depths_of(tree.parents)
         amask = None if n == 1 else (tree.mask if tree.mask is not None else ancestor_mask(tree.parents))
         t1 = _clock(dev)
-        out = tree_forward(target, tree.tokens, amask, depths, cur, cache, layers)
+        out = tree_forward(target, tree.tokens, amask, depths, cur, cache, layers, logits=n == 1)
+        logits = out["logits"][0] if n == 1 else LazyLogitRows(
+            out["last_hidden"][0], target.lm_head(), first_choice_chain(tree.parents))  # [N, V], rows on demand
         res.target_seconds += _clock(dev) - t1
-        dist = _target_dist(out["logits"][0], mode, sampling)  # [N, V] (rows computed on demand when sampling)
+        dist = _target_dist(logits, mode, sampling)  # [N, V] (rows computed on demand)
         accepted, nxt = verify_tree(tree.tokens, tree.parents, dist, tree.draft_probs, mode=mode, generator=generator)
+        if isinstance(logits, LazyLogitRows):
+            res.target_seconds += logits.seconds  # rows the rule read beyond the prefetch are target work
         path = [0] + list(accepted)
         if n > 1:
             commit_tree_path(cache, cur, path)
