@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from data_prep.dataset import prepare_data
 from data_prep.template import ensure_chat_template, prompt_ids
-from eval.autotree import Calibration, configure, heldout_calibration, ratio, tree_label
+from eval.autotree import configure, ratio, tree_label
+from eval.calibration import Calibration, heldout_calibration
 from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, generate
 from eval.latency import cached_latency_profile

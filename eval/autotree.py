@@ -5,8 +5,8 @@
 Why: a tree that verifies 64 tokens costs ~3× a one-token forward on a CPU, so the right tree depends
 on the head *and* the hardware; fixed 60–64-node defaults made trained heads slower than plain decoding.
 
-* E[accepted + 1 | tree]: ``eval.trees.expected_tokens`` over a per-depth, per-rank acceptance table,
-  measured on a few calibration prompts from the data's held-out split — never the questions being
+* E[accepted + 1 | tree]: ``eval.trees.expected_tokens`` over a per-depth, per-rank acceptance table
+  (eval/calibration.py), measured on a few calibration prompts from the data's held-out split — never the questions being
   measured (``calibration_split``). One *probe* run of the real decoding loop drafts a wide tree; per
   step the target's own continuation is looked up among the drafted nodes (rank = sibling order, best
   first) and counted hazard-style: P(rank r | not a lower rank), so a rank the probe did not draft is
@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -34,6 +33,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder, acceptance_table, time_drafter
 from eval.generate import NoDrafter, generate
 from eval.latency import t_verify_ms
 from eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
@@ -129,201 +129,6 @@ def fill_defaults(kind: str, tree: dict[str, Any], baselines: dict[str, Any],
 
 
 # --------------------------------------------------------------------------------------------
-# Calibration prompts
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Calibration:
-    """Held-out prompts that tree=auto measures on (first turns, chat-templated token ids)."""
-
-    prompts: list[list[int]]
-    question_ids: list[Any]
-    source: str
-    taken_from_eval: int = 0  # questions moved from the eval set because the held-out split had no others
-
-
-def calibration_split(heldout: list[dict[str, Any]], heldout_file: str | Path, eval_file: str | Path,
-                      eval_questions: list[dict[str, Any]], n: int, to_ids: Callable[[dict[str, Any]], list[int]],
-                      max_prompt_tokens: int | None = None) -> tuple[list[dict[str, Any]], Calibration]:
-    """Pick ``n`` calibration questions from the held-out split that are not being measured.
-
-    The last questions of the held-out file come first. When the eval set *is* the held-out file and
-    covers it, the last eval questions are moved to calibration (at least one stays in the eval set) —
-    logged and recorded, so the measured questions and the calibration ones never overlap.
-    """
-    if n < 1:
-        raise ValueError(f"tree.calibration.questions={n}: must be >= 1")
-    same = Path(heldout_file).resolve() == Path(eval_file).resolve()
-    measured = {q["question_id"] for q in eval_questions} if same else set()
-    picked: list[tuple[dict[str, Any], list[int]]] = []
-    for q in reversed(heldout):
-        if len(picked) >= n:
-            break
-        if q["question_id"] in measured:
-            continue
-        ids = to_ids(q)
-        if max_prompt_tokens and len(ids) > int(max_prompt_tokens):
-            continue
-        picked.append((q, ids))
-    moved = 0
-    questions = list(eval_questions)
-    while same and len(picked) < n and len(questions) > 1:
-        q = questions.pop()
-        ids = to_ids(q)
-        if max_prompt_tokens and len(ids) > int(max_prompt_tokens):
-            continue
-        picked.append((q, ids))
-        moved += 1
-    if not picked:
-        raise ValueError(f"tree.select=auto needs calibration prompts from the held-out split {heldout_file}, and "
-                         f"none is left beside the measured questions: give data more held-out conversations, or set "
-                         f"tree.select=default or the tree knobs (tree.size / tree.top_k, tree.depth, tree.nodes)")
-    if moved:
-        log.warning("tree=auto: moved the last %d eval question(s) to calibration (the held-out split %s has no "
-                    "other questions); %d questions are measured", moved, heldout_file, len(questions))
-    return questions, Calibration([ids for _, ids in picked], [q["question_id"] for q, _ in picked],
-                                  str(heldout_file), moved)
-
-
-# --------------------------------------------------------------------------------------------
-# Acceptance table from a probe run
-# --------------------------------------------------------------------------------------------
-
-class _Recorder:
-    """Wraps a drafter (public protocol only) and records every step's tree and the text that followed."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.layers = tuple(getattr(inner, "layers", ()))
-        self.steps: list[tuple[list[int], list[int], int]] = []  # (parents, tokens, root index in seq)
-        self.runs: list[tuple[list[tuple[list[int], list[int], int]], list[int]]] = []
-        self.seq: list[int] = []
-
-    def begin(self, prompt_ids: torch.Tensor, hidden: dict[int, torch.Tensor]) -> None:
-        self._flush()
-        self.inner.begin(prompt_ids, hidden)
-
-    def propose(self, root: int, sampling: Any, generator: Any) -> Any:
-        tree = self.inner.propose(root, sampling, generator)
-        if not self.seq:
-            self.seq = [int(root)]
-        self.steps.append((tree.parents.tolist(), tree.tokens.tolist(), len(self.seq) - 1))
-        return tree
-
-    def accept(self, tree: Any, path: Sequence[int], next_token: int, hidden: dict[int, torch.Tensor]) -> None:
-        self.inner.accept(tree, path, next_token, hidden)
-        self.seq.extend(int(tree.tokens[i]) for i in path[1:])
-        self.seq.append(int(next_token))
-
-    def _flush(self) -> None:
-        if self.steps:
-            self.runs.append((self.steps, self.seq))
-        self.steps, self.seq = [], []
-
-    def records(self, depth: int) -> list[tuple[list[int], list[int], list[int]]]:
-        """(parents, tokens, continuation) per step: continuation = the next ``depth`` tokens after the root."""
-        self._flush()
-        return [(p, t, seq[i + 1:i + 1 + depth]) for steps, seq in self.runs for p, t, i in steps]
-
-
-def acceptance_table(records: Iterable[tuple[Sequence[int], Sequence[int], Sequence[int]]], max_depth: int,
-                     max_rank: int, absent_is_miss: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-depth, per-rank acceptance from drafted trees and the continuations that followed them.
-
-    ``records``: (parents [N], tokens [N], continuation) per step; children of a node in node order are
-    its candidates best first (rank = sibling index). Walking the continuation down the tree, at each
-    depth the ranks below the matching one are known misses and the matching one a hit; hazard
-    h[d, r] = hits / trials, table[d, r] = h[d, r] · Π_{s<r} (1 − h[d, s]) = P(rank r | parent accepted).
-    ``absent_is_miss``: a node with fewer children than ``max_rank`` (or none) proposed nothing more
-    (chains) instead of leaving those ranks unobserved (trees cut by the probe's budget).
-    Returns (table [D, R], trials [D, R], hits [D, R]).
-    """
-    trials = torch.zeros(max_depth, max_rank, dtype=torch.long)
-    hits = torch.zeros(max_depth, max_rank, dtype=torch.long)
-    for parents, tokens, cont in records:
-        kids: dict[int, list[int]] = defaultdict(list)
-        for i in range(1, len(parents)):
-            kids[int(parents[i])].append(i)
-        node = 0
-        for d in range(min(max_depth, len(cont))):
-            ch = kids.get(node, [])
-            if not ch and not absent_is_miss:
-                break  # the probe did not expand this node: unobserved
-            found = next((j for j, c in enumerate(ch) if int(tokens[c]) == int(cont[d])), None)
-            visible = max_rank if absent_is_miss else min(len(ch), max_rank)
-            last = visible if found is None else min(found + 1, visible)
-            trials[d, :last] += 1
-            if found is not None and found < max_rank:
-                hits[d, found] += 1
-            if found is None:
-                break
-            node = ch[found]
-    h = hits.double() / trials.clamp(min=1).double()  # [D, R] hazards (0 where never tried)
-    survive = torch.cumprod(torch.cat([torch.ones(max_depth, 1, dtype=torch.float64), 1 - h[:, :-1]], dim=1), dim=1)
-    return h * survive, trials, hits
-
-
-# --------------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Timing:
-    """Per-step costs of one drafter configuration, measured through the decoding loop."""
-
-    config: dict[str, Any]
-    width: float  # mean nodes verified per step (root included)
-    draft_ms: float
-    bookkeeping_ms: float
-    target_ms: float
-    steps: int
-
-
-def time_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
-                 config: dict[str, Any]) -> Timing:
-    """Decode ``new_tokens`` after each prompt (EOS ignored, so every run has the same length) and split the time."""
-    steps = 0
-    drf = book = tgt = width = 0.0
-    for p in prompts:
-        r = generate(target, drafter, list(p), new_tokens, ())
-        steps += r.steps
-        drf += r.draft_seconds
-        book += r.bookkeeping_seconds
-        tgt += r.target_seconds
-        width += sum(r.tree_sizes)
-    s = max(1, steps)
-    return Timing(config, width / s, 1000 * drf / s, 1000 * book / s, 1000 * tgt / s, steps)
-
-
-def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Linear interpolation, linear extrapolation past the ends (draft time keeps growing with depth)."""
-    if len(xs) == 1:
-        return float(ys[0])
-    xs, ys = list(xs), list(ys)
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    xs, ys = [xs[i] for i in order], [ys[i] for i in order]
-    if x <= xs[0]:
-        i = 0
-    elif x >= xs[-1]:
-        i = len(xs) - 2
-    else:
-        return float(np.interp(x, xs, ys))
-    if xs[i + 1] == xs[i]:
-        return float(ys[i])
-    return float(ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i]))
-
-
-def _book_line(timings: Sequence[Timing]) -> Callable[[float], float]:
-    """Bookkeeping ms per step as a line in the width (least squares; flat with one distinct width)."""
-    w = np.array([t.width for t in timings], dtype=float)
-    b = np.array([t.bookkeeping_ms for t in timings], dtype=float)
-    if len(set(w.tolist())) < 2:
-        return lambda x: float(b.mean())
-    slope, icpt = np.polyfit(w, b, 1)
-    return lambda x: float(max(0.0, icpt + slope * x))
-
-
-# --------------------------------------------------------------------------------------------
 # Candidates and the choice
 # --------------------------------------------------------------------------------------------
 
@@ -380,7 +185,8 @@ def _probe_configs(kind: str, tree: dict[str, Any], baselines: dict[str, Any], n
     timing: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if fam == "static":
         H = min(num_heads, int(tree.get("max_depth") or num_heads))
-        acc = prior if prior is not None else generic_accuracies(H)
+        ok = prior is not None and len(prior) >= H and all(len(r) == len(prior[0]) for r in prior[:H])
+        acc = prior if ok else generic_accuracies(H)  # the checkpoint's per-rank accuracies shape the probe tree
         table = torch.tensor([list(r) for r in acc[:H]], dtype=torch.float64) + \
             1e-4 * torch.tensor(generic_accuracies(H, len(acc[0])), dtype=torch.float64)
         order, _ = greedy_tree_order(table, PROBE["size"] - 1)
@@ -580,24 +386,6 @@ def ratio(measured: float | None, modeled: float | None) -> float | None:
 # --------------------------------------------------------------------------------------------
 # Entry-point glue (eval/acceptance.py, eval/measure.py)
 # --------------------------------------------------------------------------------------------
-
-def heldout_calibration(cfg: Any, target: Any, qfile: str | Path, questions: list[dict[str, Any]],
-                        ) -> tuple[list[dict[str, Any]], Calibration]:
-    """Calibration prompts from ``cfg.data``'s held-out split, disjoint from the measured ``questions``."""
-    from data_prep.dataset import prepare_data
-    from data_prep.template import prompt_ids
-    from eval.questions import load_questions
-
-    hfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
-    heldout = load_questions(hfile)
-    n = int((cfg.tree.get("calibration") or {}).get("questions") or 0)
-
-    def to_ids(q: dict[str, Any]) -> list[int]:
-        msgs = [{"role": "system", "content": q["system"]}] if q.get("system") else []
-        return prompt_ids(target.tokenizer, msgs + [{"role": "user", "content": q["turns"][0]}])
-
-    return calibration_split(heldout, hfile, qfile, questions, n, to_ids, cfg.get("max_prompt_tokens"))
-
 
 def configure(kind: str, target: Any, tree: dict[str, Any], baselines: dict[str, Any],
               make: Callable[[dict[str, Any], dict[str, Any]], Any], calibration: Callable[[], Calibration],

@@ -42,7 +42,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from data_prep.template import ensure_chat_template, prompt_ids
 from eval.acceptance import first_divergence
-from eval.autotree import MAX_WIDTH, Calibration, configure, heldout_calibration, ratio
+from eval.autotree import MAX_WIDTH, configure, ratio
+from eval.calibration import Calibration, heldout_calibration
 from eval.baselines import DraftModelDrafter
 from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, _clock, generate

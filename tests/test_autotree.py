@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import compose
-from eval.autotree import (Calibration, _explicit, acceptance_table, calibration_split, fill_defaults, free_knobs,
-                           tree_label)
+from eval.autotree import _explicit, fill_defaults, free_knobs, tree_label
+from eval.calibration import acceptance_table, calibration_split
 from eval.trees import chain, expected_tokens, greedy_tree_order, static_tree
 
 
