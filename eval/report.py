@@ -169,10 +169,11 @@ def tree_choice_section(choices: dict[str, Any]) -> list[str]:
     rows = []
     for n, c in choices.items():
         ch, d = c["chosen"], c.get("default") or {}
-        rows.append([n, tree_label(ch), ch["expected_tokens"], c.get("measured_tau"), ch["t_verify_ms"],
+        tau_ratio = round(c["measured_tau"] / ch["expected_tokens"], 3) if c.get("measured_tau") else None
+        rows.append([n, tree_label(ch), ch["expected_tokens"], c.get("measured_tau"), tau_ratio, ch["t_verify_ms"],
                      ch["t_draft_ms"], ch["bookkeeping_ms"], ch["modeled_speedup"], c.get("measured_speedup"),
                      c.get("measured_over_modeled"), d.get("modeled_speedup"), c.get("seconds")])
-    L += _table(["method", "chosen tree", "E[acc+1] modeled", "τ measured", "t_verify ms", "t_draft ms",
+    L += _table(["method", "chosen tree", "E[acc+1] modeled", "τ measured", "τ / E", "t_verify ms", "t_draft ms",
                  "bookkeeping ms", "modeled ×", "measured ×", "measured / modeled", "default tree modeled ×",
                  "choice s"], rows) + [""]
     return L
