@@ -68,10 +68,26 @@ def latency_profile(target: FrozenTarget, widths: Sequence[int], context: int, r
     return {"context": int(context), "repeats": int(repeats), "points": out, "t1_ms": t1}
 
 
+def monotone(ys: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares, pool-adjacent-violators).
+
+    Why: a forward over more tokens never costs less, but on a loaded machine a noisy median can say
+    so (e.g. t(4) < t(1)), and a model reading that would price a wider tree below a plain step."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
+
 def t_verify_ms(profile: dict[str, Any], width: float) -> float:
-    """Verification time at ``width`` tokens, linearly interpolated over the measured profile."""
-    pts = profile["points"]
-    return float(np.interp(width, [p["width"] for p in pts], [p["ms"] for p in pts]))
+    """Verification time at ``width`` tokens: the measured profile made non-decreasing in the width
+    (``monotone``), linearly interpolated."""
+    pts = sorted(profile["points"], key=lambda p: p["width"])
+    return float(np.interp(width, [p["width"] for p in pts], monotone([p["ms"] for p in pts])))
 
 
 def _cpu_model() -> str:

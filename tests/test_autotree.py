@@ -201,6 +201,15 @@ def test_tree_label_names_the_chosen_knobs():
 
 # ------------------------------------------------------------------------------------------ latency cache
 
+def test_verification_time_never_falls_with_width():
+    from eval.latency import monotone, t_verify_ms
+
+    assert monotone([1, 3, 2, 4]) == [1, 2.5, 2.5, 4] and monotone([5, 1, 1]) == [7 / 3] * 3
+    assert monotone([1, 2, 3]) == [1, 2, 3]
+    prof = {"points": [{"width": 1, "ms": 50.0}, {"width": 4, "ms": 40.0}, {"width": 16, "ms": 80.0}]}  # noisy t(4)
+    assert t_verify_ms(prof, 1) == t_verify_ms(prof, 4) == 45.0 and t_verify_ms(prof, 10) == pytest.approx(62.5)
+
+
 def test_latency_profile_is_cached_per_key(tiny_target_dir, cache_env):
     from eval.latency import cached_latency_profile, profile_path, profile_key
     from heads.target import load_target
