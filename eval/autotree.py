@@ -12,7 +12,8 @@ on the head *and* the hardware; fixed 60–64-node defaults made trained heads s
   first) and counted hazard-style: P(rank r | not a lower rank), so a rank the probe did not draft is
   unobserved rather than a miss. Chains (prompt lookup, draft model) propose prefixes of the probe's
   chain, so there a missing node *is* a miss and the estimate equals 1 + mean(min(accepted, k)).
-* t_verify(width): the latency profile of this device (eval/latency.py, cached).
+* t_verify(width): the latency profile of this device (eval/latency.py, cached), scaled to the target
+  ms per step the timed calibration runs measured in the loop (``anchored_verify``).
 * t_draft: the drafter's per-step time, timed through the decoding loop (its public protocol) on a
   calibration prompt for a few configurations of the family's cost knob, interpolated between them.
 * bookkeeping (everything outside the forwards): a line in the width, fitted over the same runs.
@@ -33,9 +34,9 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder, acceptance_table, time_drafter
+from eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder, acceptance_table, time_drafters
 from eval.generate import NoDrafter, generate
-from eval.latency import t_verify_ms
+from eval.latency import monotone, t_verify_ms
 from eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
 
 log = logging.getLogger(__name__)
@@ -245,17 +246,18 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
         R, miss = 1, True
     records = rec.records(D)
     table, trials, hits = acceptance_table(records, D, R, miss)
-    # ---- timing: probe + a few configs of the draft-cost knob + plain
-    timings = [time_drafter(target, rec.inner, calib.prompts[:1], timing_tokens, {"probe": True})]
+    # ---- timing: probe + a few configs of the draft-cost knob + plain, round-robin through the decoding loop
+    runs: list[tuple[dict[str, Any], Any]] = [({"probe": True}, rec.inner)]
     for tc, bc in timing_cfgs:
         tc, bc = fill_defaults(kind, tc, bc)
-        timings.append(time_drafter(target, make(tc, bc), calib.prompts[:1], timing_tokens,
-                                    {k: tc[k] for k in ("top_k", "depth", "nodes")} if fam == "dynamic"
-                                    else {"paths": tc.get("paths")} if fam == "static"
-                                    else {k: bc[k] for k in ("lookup_tokens", "draft_tokens")}))
-    plain = time_drafter(target, NoDrafter(), calib.prompts[:1], timing_tokens, {"plain": True})
+        runs.append(({k: tc[k] for k in ("top_k", "depth", "nodes")} if fam == "dynamic"
+                     else {"paths": tc.get("paths")} if fam == "static"
+                     else {k: bc[k] for k in ("lookup_tokens", "draft_tokens")}, make(tc, bc)))
+    runs.append(({"plain": True}, NoDrafter()))
+    *timings, plain = time_drafters(target, runs, calib.prompts, timing_tokens)
     book = _book_line(timings + [plain])
     draft_ms = _draft_model(kind, fam, timings, probe_tree, probe_base)
+    t_verify = anchored_verify(profile, timings + [plain])
     # ---- candidates
     fixed = {k: _explicit(tree, k, "tree") for k in ("top_k", "depth", "nodes")}
     if fam == "static":
@@ -270,16 +272,16 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
         knob = "lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"
         cands = _chain_candidates(table, knob, range(1, D + 1))
     t1 = profile["t1_ms"]
-    plain_ms = t_verify_ms(profile, 1) + plain.draft_ms + book(1)
+    plain_ms = t_verify(1) + plain.draft_ms + book(1)
     widths = _lookup_widths(records, kind)
 
     def cost(c: Candidate) -> tuple[float, float, float]:
         if kind == "prompt_lookup":  # proposals are often shorter than the cap: average over the probe's steps
             k = c.knobs["lookup_tokens"]
             ws = [min(n, k) + 1 for n in widths] or [1]
-            tv = float(np.mean([t_verify_ms(profile, w) for w in ws]))
+            tv = float(np.mean([t_verify(w) for w in ws]))
             return tv, draft_ms(c), book(float(np.mean(ws)))
-        return t_verify_ms(profile, c.width), draft_ms(c), book(c.width)
+        return t_verify(c.width), draft_ms(c), book(c.width)
 
     scored = []
     for c in cands:
@@ -316,10 +318,34 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
                            "bookkeeping_ms": round(t.bookkeeping_ms, 3), "target_ms": round(t.target_ms, 3),
                            "steps": t.steps} for t in timings + [plain]],
               "profile": {"t1_ms": t1, "context": profile.get("context"), "cache": profile.get("cache")},
+              "t_verify_ms": {w: round(t_verify(w), 3) for w in (1, 2, 4, 8, 16, 32, 64)},
               "seconds": round(time.perf_counter() - t0, 1)}
     log.info("tree=auto %s: %s (E[acc+1] %.3f, modeled %.2fx plain) in %.0f s", kind, report["chosen"],
              best[1].expected, best[0], report["seconds"])
     return out_tree, out_base, report
+
+
+def anchored_verify(profile: dict[str, Any], timings: Sequence[Timing]) -> Callable[[float], float]:
+    """t_verify(width): the profile's shape, scaled to what the decoding loop's own forwards cost.
+
+    Why: the profile times one context (300 tokens) once, and on a shared machine its points are noisy;
+    the timed calibration runs measure target ms per step at a few widths, at real contexts and under the
+    load of the moment. Each of those anchors gives a scale = loop ms / profile ms; between anchors the
+    scale is interpolated over log2(width) (flat past the ends). The profile's best-of-repeats (ms_min)
+    shape is used, made non-decreasing."""
+    pts = sorted(profile["points"], key=lambda p: p["width"])
+    ws = [p["width"] for p in pts]
+    ms = monotone([p.get("ms_min", p["ms"]) for p in pts])
+    shape = lambda w: float(np.interp(w, ws, ms))  # noqa: E731
+    by_w: dict[float, list[float]] = {}
+    for t in timings:
+        if t.steps and t.target_ms > 0:
+            by_w.setdefault(round(t.width, 3), []).append(t.target_ms / shape(t.width))
+    if not by_w:
+        return lambda w: t_verify_ms(profile, w)
+    xs = sorted(by_w)
+    lx, sc = [math.log2(x) for x in xs], [float(np.mean(by_w[x])) for x in xs]
+    return lambda w: shape(w) * float(np.interp(math.log2(max(w, 1.0)), lx, sc))
 
 
 def _lookup_widths(records: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], kind: str) -> list[int]:

@@ -4,7 +4,7 @@
 * ``acceptance_table``: per step, the target's own continuation is looked up among the drafted nodes
   (rank = sibling order, best first) and counted hazard-style, P(rank r | not a lower rank), so a rank
   the probe tree did not draft is unobserved rather than a miss (chains: absent = miss).
-* ``time_drafter``: per-step draft / bookkeeping / target time of a drafter through the decoding loop.
+* ``time_drafters``: per-step draft / bookkeeping / target time of drafters through the decoding loop.
 """
 
 from __future__ import annotations
@@ -174,20 +174,25 @@ class Timing:
     steps: int
 
 
-def time_drafter(target: Any, drafter: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
-                 config: dict[str, Any]) -> Timing:
-    """Decode ``new_tokens`` after each prompt (EOS ignored, so every run has the same length) and split the time."""
-    steps = 0
-    drf = book = tgt = width = 0.0
-    for p in prompts:
-        r = generate(target, drafter, list(p), new_tokens, ())
-        steps += r.steps
-        drf += r.draft_seconds
-        book += r.bookkeeping_seconds
-        tgt += r.target_seconds
-        width += sum(r.tree_sizes)
-    s = max(1, steps)
-    return Timing(config, width / s, 1000 * drf / s, 1000 * book / s, 1000 * tgt / s, steps)
+def time_drafters(target: Any, drafters: Sequence[tuple[dict[str, Any], Any]], prompts: Sequence[Sequence[int]],
+                  new_tokens: int, rounds: int = 2) -> list[Timing]:
+    """Per-step time split of each (config, drafter), decoding ``new_tokens`` after the prompts (EOS ignored, so
+    every run has the same length). Round-robin over drafters, ``rounds`` times, so load drift hits all alike."""
+    acc = [[0, 0.0, 0.0, 0.0, 0.0] for _ in drafters]  # steps, draft s, bookkeeping s, target s, nodes
+    for r in range(max(1, rounds)):
+        p = list(prompts[r % len(prompts)])
+        for a, (_, d) in zip(acc, drafters):
+            res = generate(target, d, p, new_tokens, ())
+            a[0] += res.steps
+            a[1] += res.draft_seconds
+            a[2] += res.bookkeeping_seconds
+            a[3] += res.target_seconds
+            a[4] += sum(res.tree_sizes)
+    out = []
+    for (cfg, _), (n, drf, book, tgt, nodes) in zip(drafters, acc):
+        s = max(1, n)
+        out.append(Timing(cfg, nodes / s, 1000 * drf / s, 1000 * book / s, 1000 * tgt / s, n))
+    return out
 
 
 def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:

@@ -199,6 +199,17 @@ def test_tree_label_names_the_chosen_knobs():
         "top_k 4, depth 3, nodes 12 (13 verified)"
 
 
+def test_verification_time_is_the_profile_scaled_to_the_loops_own_forwards():
+    from eval.autotree import anchored_verify
+    from eval.calibration import Timing
+
+    prof = {"points": [{"width": w, "ms": 99.0, "ms_min": m} for w, m in ((1, 40.0), (4, 44.0), (16, 60.0), (64, 120.0))]}
+    loop = [Timing({}, 1.0, 0, 0, 50.0, 10), Timing({}, 64.0, 0, 0, 120.0, 10), Timing({}, 9.0, 0, 0, 0.0, 0)]
+    tv = anchored_verify(prof, loop)  # scale 1.25 at width 1, 1.0 at 64, log-linear between; unrun configs ignored
+    assert tv(1) == pytest.approx(50.0) and tv(64) == pytest.approx(120.0)
+    assert tv(8) == pytest.approx((44 + 16 * 4 / 12) * (1.25 - 0.25 * 3 / 6)) and tv(128) == pytest.approx(120.0)
+    assert anchored_verify(prof, [])(4) == 99.0  # no loop timing: the profile's medians
+
 # ------------------------------------------------------------------------------------------ latency cache
 
 def test_verification_time_never_falls_with_width():
