@@ -175,23 +175,25 @@ class Timing:
 
 
 def time_drafters(target: Any, drafters: Sequence[tuple[dict[str, Any], Any]], prompts: Sequence[Sequence[int]],
-                  new_tokens: int, rounds: int = 2) -> list[Timing]:
+                  new_tokens: int, rounds: int = 3) -> list[Timing]:
     """Per-step time split of each (config, drafter), decoding ``new_tokens`` after the prompts (EOS ignored, so
-    every run has the same length). Round-robin over drafters, ``rounds`` times, so load drift hits all alike."""
-    acc = [[0, 0.0, 0.0, 0.0, 0.0] for _ in drafters]  # steps, draft s, bookkeeping s, target s, nodes
+    every run has the same length). Round-robin over drafters, ``rounds`` times, so load drift hits all alike;
+    each per-step time is the median over rounds, so one run caught by a burst of other jobs does not set it."""
+    per: list[list[tuple[int, float, float, float, int]]] = [[] for _ in drafters]
+    n = len(drafters)
     for r in range(max(1, rounds)):
         p = list(prompts[r % len(prompts)])
-        for a, (_, d) in zip(acc, drafters):
-            res = generate(target, d, p, new_tokens, ())
-            a[0] += res.steps
-            a[1] += res.draft_seconds
-            a[2] += res.bookkeeping_seconds
-            a[3] += res.target_seconds
-            a[4] += sum(res.tree_sizes)
+        for j in range(n):  # each round starts one drafter later: no drafter always runs right after another
+            i = (j + r) % n
+            res = generate(target, drafters[i][1], p, new_tokens, ())
+            per[i].append((res.steps, res.draft_seconds, res.bookkeeping_seconds, res.target_seconds,
+                           sum(res.tree_sizes)))
     out = []
-    for (cfg, _), (n, drf, book, tgt, nodes) in zip(drafters, acc):
-        s = max(1, n)
-        out.append(Timing(cfg, nodes / s, 1000 * drf / s, 1000 * book / s, 1000 * tgt / s, n))
+    for (cfg, _), runs in zip(drafters, per):
+        ok = [x for x in runs if x[0]]
+        med = lambda i: 1000 * float(np.median([x[i] / x[0] for x in ok])) if ok else 0.0  # noqa: E731
+        steps = sum(x[0] for x in runs)
+        out.append(Timing(cfg, sum(x[4] for x in runs) / max(1, steps), med(1), med(2), med(3), steps))
     return out
 
 
