@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,11 @@ from tqdm.auto import tqdm
 
 from data_prep.dataset import prepare_data
 from data_prep.template import ensure_chat_template, prompt_ids
-from eval.drafters import build_drafter
+from eval.autotree import configure, ratio, tree_label
+from eval.calibration import Calibration, heldout_calibration
+from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, generate
+from eval.latency import cached_latency_profile
 from eval.questions import check_eval_limits, load_questions
 from eval.tau import tau_value
 from heads import job
@@ -112,6 +114,33 @@ def run_questions(target, drafter, questions, cfg, desc: str = "eval", reference
     return rows, outputs
 
 
+def build_auto_drafter(cfg: DictConfig, target, qfile: Path, questions: list[dict[str, Any]],
+                       ) -> tuple[Any, dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """The drafter with its tree: explicit ``tree.*`` / ``baselines.*`` kept, null knobs chosen by tree=auto
+    (eval/autotree.py, on held-out calibration prompts that are not among ``questions``) or defaulted.
+    Returns (drafter, description, choice report, questions — fewer only if calibration had to borrow some)."""
+    kind = cfg.drafter if cfg.drafter != "auto" else (checkpoint_family(cfg.checkpoint) if cfg.checkpoint else "plain")
+    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    base = OmegaConf.to_container(cfg.baselines, resolve=True) if cfg.get("baselines") is not None else {}
+    args = (target, cfg.checkpoint)
+    rest = (target.dtype, bool(cfg.allow_target_mismatch), int(cfg.untrained_heads))
+    split: dict[str, Any] = {}
+
+    def calibration() -> Calibration:
+        split["questions"], split["calib"] = heldout_calibration(cfg, target, qfile, questions)
+        return split["calib"]
+
+    eos = {target.tokenizer.eos_token_id} | set(int(e) for e in (cfg.get("extra_eos_ids") or []))
+    tree, base, choice = configure(
+        kind, target, tree, base, lambda t, b: build_drafter(kind, *args, OmegaConf.create(t), *rest, b)[0],
+        calibration, lambda: cached_latency_profile(target), cfg.checkpoint, int(cfg.untrained_heads), eos)
+    drafter, desc = build_drafter(kind, *args, OmegaConf.create(tree), *rest, base)
+    if choice:
+        desc = {**desc, "tree_select": "auto", "tree_source": "auto" if "tree_source" in desc else None}
+        desc = {k: v for k, v in desc.items() if v is not None}
+    return drafter, desc, choice, split.get("questions", questions)
+
+
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     torch.manual_seed(int(cfg.seed))
@@ -123,8 +152,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     else:  # the held-out split of the configured data (prepared on demand, cached)
         qfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
     questions = load_questions(qfile, cfg.max_questions, cfg.get("per_category"))
-    drafter, desc = build_drafter(cfg.drafter, target, cfg.checkpoint, cfg.tree, target.dtype,
-                                  bool(cfg.allow_target_mismatch), int(cfg.untrained_heads), cfg.get("baselines"))
+    drafter, desc, choice, questions = build_auto_drafter(cfg, target, qfile, questions)
     max_depth = int(desc.get("tree_depth", 0))
     # ---- loop
     reference = None
@@ -140,10 +168,16 @@ def main(cfg: DictConfig) -> dict[str, Any]:
               "max_new_tokens": int(cfg.max_new_tokens),
               "summary": summary,
               "target": target.identity.to_dict(), "rows": rows}
+    if choice:  # tree=auto: what was chosen, what the model predicted, and (with compare_plain) what happened
+        choice["measured_tau"] = summary["tau"]
+        result["tree_choice"] = choice
     if plain_summary is not None:
         div = [r["first_divergence"] for r in rows]
         result["plain"] = plain_summary
         result["speedup_vs_plain"] = round(summary["tokens_per_s"] / max(plain_summary["tokens_per_s"], 1e-9), 3)
+        if choice:
+            choice["measured_speedup"] = result["speedup_vs_plain"]
+            choice["measured_over_modeled"] = ratio(result["speedup_vs_plain"], choice["chosen"]["modeled_speedup"])
         result["greedy_identical"] = {"turns": len(div), "identical": sum(d is None for d in div),
                                       "first_divergence": [d for d in div if d is not None]}
     out = Path(cfg.out)
@@ -154,6 +188,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         gi = result["greedy_identical"]
         print(f"plain: {plain_summary['tokens_per_s']:.2f} tok/s; speedup {result['speedup_vs_plain']:.2f}x; "
               f"identical to plain greedy on {gi['identical']}/{gi['turns']} turns")
+    if choice:
+        c = choice["chosen"]
+        print(f"tree=auto: {tree_label(c)}; E[accepted+1] modeled {c['expected_tokens']:.3f}, measured τ "
+              f"{summary['tau']:.3f}; modeled speedup {c['modeled_speedup']:.2f}x"
+              + (f", measured {choice['measured_speedup']:.2f}x (ratio {choice['measured_over_modeled']})"
+                 if "measured_speedup" in choice else " (compare_plain=true measures it)"))
     print(f"wrote {out}")
     return result
 

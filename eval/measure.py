@@ -41,9 +41,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from data_prep.template import ensure_chat_template, prompt_ids
 from eval.acceptance import first_divergence
+from eval.autotree import MAX_WIDTH, configure, ratio
+from eval.calibration import Calibration, heldout_calibration
 from eval.baselines import DraftModelDrafter
 from eval.drafters import build_drafter, checkpoint_family
-from eval.generate import GenResult, NoDrafter, _clock, crop_cache, generate, tree_forward
+from eval.generate import GenResult, NoDrafter, _clock, generate
+from eval.latency import cached_latency_profile, latency_profile, profile_key, store_profile, t_verify_ms
 from eval.questions import check_eval_limits, load_questions
 from heads import job
 from heads.checkpoint import atomic_write_text
@@ -68,6 +71,7 @@ class Method:
     size: int | None = None  # sweep point: tree size / chain length + 1 (None = configured default)
     drafter: Any = None
     desc: dict[str, Any] = field(default_factory=dict)
+    choice: dict[str, Any] = field(default_factory=dict)  # tree=auto's report (empty when nothing was chosen)
 
     @property
     def label(self) -> str:
@@ -121,13 +125,17 @@ def decoding_settings(cfg: DictConfig) -> list[Setting]:
     return out
 
 
-def sized_configs(method: Method, cfg: DictConfig, size: int | None) -> tuple[Any, dict[str, Any]]:
-    """(tree cfg, baselines cfg) for a method at a sweep size: the size maps onto the family's own knob."""
+def sized_configs(method: Method, cfg: DictConfig, size: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tree cfg, baselines cfg) for a method at a sweep size: the size maps onto the family's own knob.
+
+    A sweep point fixes its size and takes the family defaults for the other knobs (tree.select=default):
+    the sweep shows the size axis; tree=auto chooses only for the main run (size None)."""
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     base = OmegaConf.to_container(cfg.baselines, resolve=True)
     if size is not None:
         if size < 2:
             raise ValueError(f"sweep sizes count the root too and must be >= 2, got {size}")
+        tree["select"] = "default"
         if method.kind in ("medusa", "medusa-init"):
             tree["size"] = size
         elif method.kind in ("eagle", "eagle3"):
@@ -136,27 +144,70 @@ def sized_configs(method: Method, cfg: DictConfig, size: int | None) -> tuple[An
             base["lookup_tokens"] = size - 1
         elif method.kind == "draft_model":
             base["draft_tokens"] = size - 1
-    return OmegaConf.create(tree), base
+    return tree, base
+
+
+def _make_drafter(m: Method, target: FrozenTarget, cfg: DictConfig, tree: dict[str, Any], base: dict[str, Any],
+                  shared: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+    """(drafter, description) for concrete tree/baselines configs; the draft LM is loaded once and shared."""
+    if m.kind == "draft_model" and shared is not None and "draft_model" in shared:
+        d = DraftModelDrafter(shared["draft_model"], int(base["draft_tokens"]), target.vocab_size)
+        return d, {**shared["draft_desc"], "tree_size": d.k + 1, "tree_depth": d.k}
+    drafter, desc = build_drafter(m.kind, target, m.checkpoint, OmegaConf.create(tree), target.dtype,
+                                  bool(cfg.allow_target_mismatch), int(cfg.untrained_heads), base)
+    if m.kind == "draft_model" and shared is not None:
+        shared["draft_model"], shared["draft_desc"] = drafter.model, dict(desc)
+    return drafter, desc
 
 
 def build_method(method: Method, target: FrozenTarget, cfg: DictConfig, size: int | None = None,
-                 shared: dict[str, Any] | None = None) -> Method:
-    """Attach a drafter (None for transformers' generate) to a copy of ``method`` at ``size``."""
+                 shared: dict[str, Any] | None = None, auto: "AutoContext | None" = None) -> Method:
+    """Attach a drafter (None for transformers' generate) to a copy of ``method`` at ``size``.
+
+    With ``auto`` (the main run), knobs left null are chosen by tree=auto (eval/autotree.py) on held-out
+    calibration prompts; explicit ``tree.*`` / ``baselines.*`` values are kept."""
     m = Method(method.name, method.kind, method.checkpoint, size)
     if m.kind in HF_KINDS:
         m.desc = {"drafter": m.kind, "lookup_tokens": int(cfg.hf.lookup_tokens) if m.kind == "hf_prompt_lookup"
                   else None, "tree_size": 1 + int(cfg.hf.lookup_tokens) if m.kind == "hf_prompt_lookup" else 1}
         return m
-    tree_cfg, base = sized_configs(m, cfg, size)
-    if m.kind == "draft_model" and shared is not None and "draft_model" in shared:  # load the draft LM once
-        d = DraftModelDrafter(shared["draft_model"], int(base["draft_tokens"]), target.vocab_size)
-        m.drafter, m.desc = d, {**shared["draft_desc"], "tree_size": d.k + 1, "tree_depth": d.k}
-        return m
-    m.drafter, m.desc = build_drafter(m.kind, target, m.checkpoint, tree_cfg, target.dtype,
-                                      bool(cfg.allow_target_mismatch), int(cfg.untrained_heads), base)
-    if m.kind == "draft_model" and shared is not None:
-        shared["draft_model"], shared["draft_desc"] = m.drafter.model, dict(m.desc)
+    tree, base = sized_configs(m, cfg, size)
+    if auto is None:
+        tree["select"] = "default"
+    make = lambda t, b: _make_drafter(m, target, cfg, t, b, shared)[0]  # noqa: E731
+    tree, base, m.choice = configure(
+        m.kind, target, tree, base, make, auto.calibration if auto else None, auto.profile if auto else None,
+        m.checkpoint, int(cfg.untrained_heads), auto.eos if auto else ())
+    m.drafter, m.desc = _make_drafter(m, target, cfg, tree, base, shared)
+    if m.choice:
+        m.desc = {**m.desc, "tree_select": "auto"}
+        if "tree_source" in m.desc:
+            m.desc["tree_source"] = "auto"
     return m
+
+
+@dataclass
+class AutoContext:
+    """What tree=auto needs, computed once per job: the calibration split (lazily) and the latency profile."""
+
+    cfg: DictConfig
+    target: FrozenTarget
+    qfile: Path
+    questions: list[dict[str, Any]]
+    profile_data: dict[str, Any]
+    eos: set[int]
+    calib: Calibration | None = None
+
+    def calibration(self) -> Calibration:
+        if self.calib is None:
+            self.questions, self.calib = heldout_calibration(self.cfg, self.target, self.qfile, self.questions)
+        return self.calib
+
+    def profile(self) -> dict[str, Any]:
+        """The job's profile when it reaches the widest tree considered, else the cached default one."""
+        if max(p["width"] for p in self.profile_data["points"]) >= MAX_WIDTH:
+            return self.profile_data
+        return cached_latency_profile(self.target)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,51 +328,6 @@ def warm_up(methods: list[Method], target: FrozenTarget, questions: list[dict[st
     for s in settings:
         for m in methods:
             run_turn(m, target, ids, n, eos, s, int(cfg.seed), cfg)
-
-
-# --------------------------------------------------------------------------------------------
-# Latency profile
-# --------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def latency_profile(target: FrozenTarget, widths: Sequence[int], context: int, repeats: int, seed: int = 0,
-                    ) -> dict[str, Any]:
-    """Median time of one verification forward of ``w`` tokens on top of ``context`` cached tokens.
-
-    Uses the loop's own ``tree_forward`` (mask + depth positions + logits for every node), with a chain
-    mask (a tree of the same width costs the same: the mask only changes which entries are -inf).
-    """
-    if not widths or min(widths) < 1:
-        raise ValueError(f"profile.widths must be positive token counts, got {list(widths)}")
-    g = torch.Generator().manual_seed(seed)
-    V = target.vocab_size
-    cache = target.new_cache()
-    target(torch.randint(0, V, (1, context), generator=g).to(target.device), cache=cache, logits=False)
-    ws = sorted(set(int(x) for x in widths))
-    inputs = {w: (torch.randint(0, V, (w,), generator=g), torch.ones(w, w, dtype=torch.bool).tril() if w > 1 else None,
-                  torch.arange(w)) for w in ws}
-    times: dict[int, list[float]] = {w: [] for w in ws}
-    for r in range(int(repeats) + 1):  # round-robin over widths, so load drift hits every width alike
-        for w in ws:
-            toks, mask, depths = inputs[w]
-            t0 = _clock(target.device)
-            tree_forward(target, toks, mask, depths, context, cache)
-            dt = _clock(target.device) - t0
-            crop_cache(cache, context)
-            if r:  # the first round is untimed warm-up
-                times[w].append(dt)
-    out = [{"width": w, "ms": round(1000 * statistics.median(times[w]), 3), "ms_min": round(1000 * min(times[w]), 3)}
-           for w in ws]
-    t1 = next((o["ms"] for o in out if o["width"] == 1), None)
-    for o in out:
-        o["ratio_to_t1"] = round(o["ms"] / t1, 3) if t1 else None
-    return {"context": int(context), "repeats": int(repeats), "points": out, "t1_ms": t1}
-
-
-def t_verify_ms(profile: dict[str, Any], width: float) -> float:
-    """Verification time at ``width`` tokens, linearly interpolated over the measured profile."""
-    pts = profile["points"]
-    return float(np.interp(width, [p["width"] for p in pts], [p["ms"] for p in pts]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,13 +531,19 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     qfile, questions = _questions(cfg, target)
     settings = decoding_settings(cfg)
     shared: dict[str, Any] = {}
-    methods = [build_method(m, target, cfg, None, shared) for m in resolve_methods(cfg)]
-    log.info("methods: %s; settings: %s", [m.name for m in methods], [s.name for s in settings])
 
-    # ---- the device's latency profile (before decoding, on a quiet cache)
+    # ---- the device's latency profile (before decoding, on a quiet cache); refreshes tree=auto's cached one
     pc = cfg.profile
     profile = latency_profile(target, list(pc.widths), int(pc.context), int(pc.repeats), int(cfg.seed))
+    store_profile(profile, profile_key(target, list(pc.widths), int(pc.context), int(pc.repeats)))
     t1 = profile["t1_ms"]
+
+    # ---- methods; tree=auto chooses null tree knobs on held-out calibration prompts (never these questions)
+    eos = {target.tokenizer.eos_token_id} | set(int(e) for e in (cfg.get("extra_eos_ids") or []))
+    auto = AutoContext(cfg, target, qfile, questions, profile, eos)
+    methods = [build_method(m, target, cfg, None, shared, auto) for m in resolve_methods(cfg)]
+    questions = auto.questions  # fewer only when the held-out split had no spare calibration prompts
+    log.info("methods: %s; settings: %s", [m.name for m in methods], [s.name for s in settings])
 
     # ---- every setting, every question, every method (interleaved)
     warm_up(methods, target, questions, settings, cfg)
@@ -558,6 +570,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         per_setting[s.name] = block
         all_rows += rows
 
+    tree_choice = tree_choices(methods, per_setting)
+
     # ---- tree-size sweep (greedy)
     sweep = run_sweep(methods, target, questions, cfg, profile, shared)
 
@@ -568,7 +582,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         "questions": str(qfile), "num_questions": len(questions), "max_turns": int(cfg.max_turns),
         "max_new_tokens": int(cfg.max_new_tokens),
         "methods": {m.name: {"kind": m.kind, "checkpoint": m.checkpoint, **m.desc} for m in methods},
-        "latency_profile": profile, "settings": per_setting, "sweep": sweep,
+        "latency_profile": profile, "settings": per_setting, "sweep": sweep, "tree_choice": tree_choice,
         "headline": headline(per_setting, methods),
         "config": OmegaConf.to_container(cfg, resolve=True), "job_seconds": round(time.perf_counter() - t_job, 1),
         "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in all_rows],
@@ -581,6 +595,22 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     print(files["markdown_text"])
     print(f"wrote {out_dir / 'results.json'}, {', '.join(str(Path(f).name) for f in files['files'])}")
     return result
+
+
+def tree_choices(methods: list[Method], per_setting: dict[str, Any]) -> dict[str, Any]:
+    """tree=auto per method: the chosen tree, its modeled speedup, and the greedy run's measured one and their ratio."""
+    g = (per_setting.get("greedy") or {})
+    out = {}
+    for m in methods:
+        if not m.choice:
+            continue
+        c = dict(m.choice)
+        if g:
+            c["measured_tau"] = g["methods"][m.name]["tau"]
+            c["measured_speedup"] = g["speedup_vs_plain"][m.name]["overall"]
+            c["measured_over_modeled"] = ratio(c["measured_speedup"], c["chosen"]["modeled_speedup"])
+        out[m.name] = c
+    return out
 
 
 def headline(per_setting: dict[str, Any], methods: list[Method]) -> dict[str, Any]:

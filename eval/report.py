@@ -131,6 +131,7 @@ def markdown(result: dict[str, Any]) -> str:
             L += ["Acceptance by depth: P(accepted ≥ d) and P(accepted ≥ d | reached d − 1); the seed's formula "
                   "(1 − α^(k+1))/(1 − α) with α pooled over depths and each step's own depth k, as a cross-check:", ""]
             L += _table(["method", "α", "formula τ", "measured τ", "P(acc ≥ d), d = 1…", "conditional"], rows) + [""]
+    L += tree_choice_section(result.get("tree_choice") or {})
     prof = result["latency_profile"]
     L += [f"## Verification latency profile ({prof['context']} cached tokens, median of {prof['repeats']})", ""]
     L += _table(["tokens in one forward", "ms", "× t_1"], [[p["width"], p["ms"], p["ratio_to_t1"]]
@@ -149,6 +150,33 @@ def markdown(result: dict[str, Any]) -> str:
         L += ["", "Best modeled size on this device: " + "; ".join(
             f"{n} {p['size']} ({_f(p['modeled_speedup'])}×)" for n, p in best.items()), ""]
     return "\n".join(L) + "\n"
+
+
+def tree_choice_section(choices: dict[str, Any]) -> list[str]:
+    """tree=auto per method: the chosen tree, the modeled and the measured speedup, and their ratio."""
+    if not choices:
+        return []
+    from eval.autotree import tree_label
+
+    any_c = next(iter(choices.values()))
+    cal = any_c["calibration"]
+    L = ["## Tree choice (tree.select=auto)", "",
+         "Each tree knob left null was chosen for the most modeled tokens/s = E[accepted + 1 | tree] / (t_verify(width) "
+         "+ t_draft + bookkeeping), with acceptance by depth and rank measured on "
+         f"{cal['prompts']} held-out calibration prompts (`{cal['source']}`, never the measured questions) and this "
+         "device's latency profile; modeled × is that prediction over plain, made before decoding; measured × is the "
+         "greedy run above. Explicit `tree.*` / `baselines.*` values are kept as given.", ""]
+    rows = []
+    for n, c in choices.items():
+        ch, d = c["chosen"], c.get("default") or {}
+        tau_ratio = round(c["measured_tau"] / ch["expected_tokens"], 3) if c.get("measured_tau") else None
+        rows.append([n, tree_label(ch), ch["expected_tokens"], c.get("measured_tau"), tau_ratio, ch["t_verify_ms"],
+                     ch["t_draft_ms"], ch["bookkeeping_ms"], ch["modeled_speedup"], c.get("measured_speedup"),
+                     c.get("measured_over_modeled"), d.get("modeled_speedup"), c.get("seconds")])
+    L += _table(["method", "chosen tree", "E[acc+1] modeled", "τ measured", "τ / E", "t_verify ms", "t_draft ms",
+                 "bookkeeping ms", "modeled ×", "measured ×", "measured / modeled", "default tree modeled ×",
+                 "choice s"], rows) + [""]
+    return L
 
 
 def save_png(fig: Any, path: str | Path, dpi: int = 110) -> None:

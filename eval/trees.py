@@ -212,3 +212,92 @@ def tree_inputs(parents: torch.Tensor, prefix_len: int) -> tuple[torch.Tensor, t
     full = torch.ones(n, prefix_len + n, dtype=torch.bool)
     full[:, prefix_len:] = ancestor_mask(parents)
     return full, prefix_len + depths_of(parents)
+
+
+# --------------------------------------------------------------------------------------------
+# Expected tokens per step from per-depth, per-rank acceptance tables (tree=auto)
+# --------------------------------------------------------------------------------------------
+
+def node_probabilities(parents: torch.Tensor, depths: torch.Tensor, ranks: torch.Tensor,
+                       table: torch.Tensor) -> torch.Tensor:
+    """P(node i lies on the accepted path) under a conditional acceptance table; root = 1.
+
+    ``table[d-1, r]`` = P(the target's token at depth d is its parent's rank-r child | the parent was
+    accepted) — the per-depth, per-rank acceptance that eval/autotree.py measures. Ranks are independent
+    across depths given acceptance, so a node's probability is the product along its path. Nodes past
+    the table's depth or rank range get 0 (never observed, never counted on).
+    """
+    D, R = table.shape  # [D, R]
+    t = torch.zeros(D + 1, R + 1, dtype=torch.float64)  # row 0 = root, last column = out of range (0)
+    t[1:, :R] = table.to(torch.float64)
+    t[0, :] = 1.0
+    d = depths.clamp(0, D + 1)
+    r = torch.where((ranks >= 0) & (ranks < R), ranks, torch.full_like(ranks, R))
+    step = torch.where(depths <= D, t[d.clamp(max=D), r], torch.zeros((), dtype=torch.float64))  # [N]
+    step[depths == 0] = 1.0
+    p = step.clone()  # [N]
+    for d in range(1, int(depths.max()) + 1 if depths.numel() else 0):  # parents sit one level up: already final
+        lvl = depths == d
+        p[lvl] = step[lvl] * p[parents[lvl]]
+    return p
+
+
+def expected_tokens(parents: torch.Tensor, depths: torch.Tensor, ranks: torch.Tensor, table: torch.Tensor) -> float:
+    """E[accepted + 1 | tree]: Σ over nodes of P(node accepted), the root counting 1 (the target's own token).
+
+    A chain with table[:, 0] = α gives (1 − α^(k+1)) / (1 − α); tests check trees against brute-force
+    enumeration of every rank outcome.
+    """
+    return float(node_probabilities(parents, depths, ranks, table).sum())
+
+
+def greedy_tree_order(table: torch.Tensor, max_nodes: int, max_depth: int | None = None, top_k: int | None = None,
+                      expand_per_depth: int | None = None, rank_closed: bool = True) -> tuple[list[Path], list[float]]:
+    """Rank paths in the order a best-first search adds them, with each node's acceptance probability.
+
+    The first n paths form the n+1-node tree with the highest E[accepted + 1] under ``table`` (paths
+    only lose value as they grow, so best-first is optimal without the expansion limit, and with
+    ``rank_closed`` when the table decreases in rank). Constraints
+    mirror the drafters: ``max_depth``; ``top_k`` children per node; ``rank_closed``: rank r only after
+    rank r-1 (a dynamic tree keeps a best-first prefix of each node's children; a static Medusa tree may
+    skip ranks); ``expand_per_depth`` = most nodes per depth that get children (EAGLE-2 expands the best
+    top_k per depth). Zero-value nodes are never added.
+    """
+    D, R = table.shape
+    D = min(D, max_depth) if max_depth is not None else D
+    R = min(R, top_k) if top_k is not None else R
+    t = table.tolist()
+    heap: list[tuple[float, int, Path]] = []
+    tie = 0
+
+    def push(path: Path, value: float) -> None:
+        nonlocal tie
+        if value > 0:
+            heapq.heappush(heap, (-value, tie, path))
+            tie += 1
+
+    def push_children(p: Path, v: float) -> None:  # rank 0 only, or every rank at once
+        for r in range(1 if rank_closed else R):
+            push(p + (r,), v * float(t[len(p)][r]))
+
+    if D >= 1 and R >= 1:
+        push_children((), 1.0)
+    value: dict[Path, float] = {(): 1.0}
+    expanded: dict[int, set[Path]] = {}
+    order: list[Path] = []
+    probs: list[float] = []
+    while heap and len(order) < max_nodes:
+        negv, _, p = heapq.heappop(heap)
+        parent, d = p[:-1], len(p)
+        if expand_per_depth is not None and parent not in expanded.get(d - 1, set()):
+            if len(expanded.get(d - 1, set())) >= expand_per_depth and d > 1:
+                continue  # the parent's depth already expanded its quota of nodes
+        expanded.setdefault(d - 1, set()).add(parent)
+        order.append(p)
+        probs.append(-negv)
+        value[p] = -negv
+        if rank_closed and p[-1] + 1 < R:  # next sibling
+            push(parent + (p[-1] + 1,), value[parent] * float(t[d - 1][p[-1] + 1]))
+        if d < D:
+            push_children(p, -negv)
+    return order, probs

@@ -479,7 +479,8 @@ def test_eval_job_with_an_eagle3_checkpoint(tmp_path, tiny_target_dir):
     res = eval_main(compose("eval", [
         "target=hf", f"target.name={tiny_target_dir}", "target.dtype=fp32", "target.local_files_only=true",
         f"checkpoint={tmp_path / 'd'}", f"questions={qfile}", "max_new_tokens=16", "compare_plain=true",
-        f"out={tmp_path / 'eval.json'}", "tree.top_k=4", "tree.nodes=12"]))
+        f"out={tmp_path / 'eval.json'}", "tree.top_k=4", "tree.nodes=12",
+        "tree.select=default"]))  # depth 6 (the family default); tree=auto is tested in tests/test_autotree.py
     assert res["drafter"]["drafter"] == "eagle3" and res["drafter"]["tree_size"] == 13
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 1
 

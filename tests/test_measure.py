@@ -23,7 +23,8 @@ def _overrides(target_dir: Path, qfile: Path, out: Path, *extra: str) -> list[st
             f"questions={qfile}", "max_new_tokens=16", "temperatures=[1.0]", f"out_dir={out}",
             "methods=[plain,hf_plain,hf_prompt_lookup,prompt_lookup,draft_model,medusa-init]", "baselines.draft_model=self:2",
             "untrained_heads=2", "profile.widths=[1,4,16]", "profile.repeats=1", "sweep.tree_sizes=[4,8]",
-            "sweep.chain_sizes=[2,4]", "sweep.max_questions=2", "sweep.max_new_tokens=12", *extra]
+            "sweep.chain_sizes=[2,4]", "sweep.max_questions=2", "sweep.max_new_tokens=12", "tree.select=default",
+            *extra]
 
 
 def _medusa_checkpoint(target_dir: Path, out: Path, num_heads: int = 2) -> Path:
@@ -112,6 +113,38 @@ def test_heads_measured_together_get_a_paired_head_to_head(tiny_target_dir, tmp_
     assert same["resampled_units"] == 3  # question 1's two turns are resampled as one unit
     md = (out / "report.md").read_text()
     assert "Head to head" in md and "| m2 | m3 | 4 |" in md
+
+
+@pytest.mark.slow
+def test_measure_job_chooses_trees_with_tree_auto(tiny_target_dir, chat_file, tmp_path, cache_env):
+    """The default tree.select=auto: each drafter's null knobs are chosen on held-out calibration prompts (data's
+    split, not the question file); results and report show the choice, modeled and measured speedup and ratio."""
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    out = tmp_path / "measure"
+    ov = [o for o in _overrides(tiny_target_dir, qfile, out) if not o.startswith(("methods=", "temperatures=",
+                                                                                   "tree.select="))]
+    ov += ["methods=[plain,prompt_lookup,draft_model,medusa-init]", "temperatures=[]", "sweep.methods=[]",
+           "data=file", f"data.path={chat_file}", "data.max_length=64", "data.heldout_fraction=0.1",
+           f"data.cache_dir={tmp_path / 'data-cache'}", "tree.calibration.questions=2",
+           "tree.calibration.max_new_tokens=12", "tree.calibration.timing_tokens=6", "baselines.draft_tokens=3"]
+    res = main(compose("measure", ov))
+    tc = res["tree_choice"]
+    assert set(tc) == {"prompt_lookup", "medusa-init"}  # draft_tokens was given: kept, not chosen
+    assert res["methods"]["draft_model"]["tree_size"] == 4 and "tree_select" not in res["methods"]["draft_model"]
+    assert res["methods"]["prompt_lookup"]["tree_depth"] == tc["prompt_lookup"]["chosen"]["lookup_tokens"]
+    assert res["methods"]["medusa-init"]["tree_size"] == tc["medusa-init"]["chosen"]["size"]
+    g = res["settings"]["greedy"]
+    for name, c in tc.items():
+        assert c["measured_speedup"] == g["speedup_vs_plain"][name]["overall"] and c["measured_tau"] == g["methods"][name]["tau"]
+        assert c["measured_over_modeled"] == pytest.approx(c["measured_speedup"] / c["chosen"]["modeled_speedup"], rel=1e-3)
+        assert c["calibration"]["source"] != str(qfile) and c["profile"]["t1_ms"] > 0
+        assert g["greedy_identical"][name]["identical"] == g["greedy_identical"][name]["comparable_turns"]
+    # the job's profile stops at 16 tokens, short of the widest tree considered: the cached full profile is used
+    assert tc["medusa-init"]["profile"]["cache"]["path"].startswith(str(cache_env))
+    md = (out / "report.md").read_text()
+    assert "## Tree choice (tree.select=auto)" in md and "| medusa-init | size " in md
+    assert "| prompt_lookup | lookup_tokens " in md
 
 
 def test_measure_config_errors(tiny_target_dir, tmp_path):

@@ -1,0 +1,454 @@
+"""tree=auto: pick each drafter's tree (or chain) for the most modeled tokens/s on this device.
+
+    modeled tokens/s ∝ E[accepted + 1 | tree] / (t_verify(width) + t_draft(tree) + bookkeeping(width))
+
+Why: a tree that verifies 64 tokens costs ~3× a one-token forward on a CPU, so the right tree depends
+on the head *and* the hardware; fixed 60–64-node defaults made trained heads slower than plain decoding.
+
+* E[accepted + 1 | tree]: ``eval.trees.expected_tokens`` over a per-depth, per-rank acceptance table
+  (eval/calibration.py), measured on a few calibration prompts from the data's held-out split — never the questions being
+  measured (``calibration_split``). One *probe* run of the real decoding loop drafts a wide tree; per
+  step the target's own continuation is looked up among the drafted nodes (rank = sibling order, best
+  first) and counted hazard-style: P(rank r | not a lower rank), so a rank the probe did not draft is
+  unobserved rather than a miss. Chains (prompt lookup, draft model) propose prefixes of the probe's
+  chain, so there a missing node *is* a miss and the estimate equals 1 + mean(min(accepted, k)).
+* t_verify(width): the latency profile of this device (eval/latency.py, cached), scaled to the target
+  ms per step the timed calibration runs measured in the loop (``anchored_verify``).
+* t_draft: the drafter's per-step time, timed through the decoding loop (its public protocol) on a
+  calibration prompt for a few configurations of the family's cost knob, interpolated between them.
+* bookkeeping (everything outside the forwards): a line in the width, fitted over the same runs.
+
+Knobs the user set (``tree.size=16``, ``tree.depth=4``, ``baselines.lookup_tokens=5``) are kept; only
+null knobs are chosen, and ``tree.select=default`` fills them with the fixed family defaults instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder, acceptance_table, time_drafters
+from eval.generate import NoDrafter, generate
+from eval.latency import monotone, t_verify_ms
+from eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = {"size": 64, "top_k": 10, "depth": 6, "nodes": 60, "lookup_tokens": 10, "draft_tokens": 4}
+MINIMUM = {"size": 2, "top_k": 1, "depth": 1, "nodes": 1, "max_depth": 1, "lookup_tokens": 1, "draft_tokens": 1}
+PROBE = {"top_k": 10, "depth": 8, "nodes": 63, "size": 64, "lookup_tokens": 16, "draft_tokens": 8}
+MAX_WIDTH = 64  # largest tree considered (root included)
+SELECT = ("auto", "default")
+
+
+# --------------------------------------------------------------------------------------------
+# Knobs: which are free, validation, defaults
+# --------------------------------------------------------------------------------------------
+
+def _explicit(d: dict[str, Any], key: str, where: str) -> int | None:
+    """An explicitly set knob as an int (None when unset); 0, negatives and non-integers are errors."""
+    v = d.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer() \
+        or isinstance(v, str) and v.strip().lstrip("-").isdigit()
+    if not ok:
+        raise ValueError(f"{where}.{key}={v!r}: expected an integer >= {MINIMUM[key]} (or null: chosen by tree.select)")
+    n = int(float(v))
+    if n < MINIMUM[key]:
+        raise ValueError(f"{where}.{key}={v!r}: must be >= {MINIMUM[key]} (or null: chosen by tree.select)")
+    return n
+
+
+def family_of(kind: str) -> str:
+    """static (Medusa), dynamic (EAGLE/EAGLE-3), chain (prompt lookup, draft model), or none."""
+    if kind in ("medusa", "medusa-init"):
+        return "static"
+    if kind in ("eagle", "eagle3"):
+        return "dynamic"
+    if kind in ("prompt_lookup", "draft_model"):
+        return "chain"
+    return "none"
+
+
+def _select(tree: dict[str, Any]) -> str:
+    s = tree.get("select") or "auto"
+    if s not in SELECT:
+        raise ValueError(f"tree.select={s!r}: expected one of {SELECT}")
+    return s
+
+
+def free_knobs(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> list[str]:
+    """The knobs tree=auto would choose for ``kind`` (null in the config; [] under tree.select=default)."""
+    validate(kind, tree, baselines)
+    if _select(tree) != "auto":
+        return []
+    fam = family_of(kind)
+    if fam == "static":
+        return [] if tree.get("paths") or tree.get("size") is not None else ["size"]
+    if fam == "dynamic":
+        k = tree.get("kind") or "auto"
+        if k in ("auto", "dynamic"):
+            return [n for n in ("top_k", "depth", "nodes") if tree.get(n) is None]
+        return ["depth"] if k == "chain" and tree.get("depth") is None else []
+    if kind == "prompt_lookup":
+        return ["lookup_tokens"] if baselines.get("lookup_tokens") is None else []
+    if kind == "draft_model":
+        return ["draft_tokens"] if baselines.get("draft_tokens") is None else []
+    return []
+
+
+def validate(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> None:
+    _select(tree)
+    for k in ("size", "top_k", "depth", "nodes", "max_depth"):
+        _explicit(tree, k, "tree")
+    for k in ("lookup_tokens", "draft_tokens"):
+        _explicit(baselines, k, "baselines")
+
+
+def fill_defaults(kind: str, tree: dict[str, Any], baselines: dict[str, Any],
+                  chosen: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Concrete copies of ``tree`` / ``baselines``: explicit values kept, ``chosen`` next, family defaults last."""
+    validate(kind, tree, baselines)
+    tree, baselines, chosen = dict(tree), dict(baselines), dict(chosen or {})
+    for k in ("size", "top_k", "depth", "nodes"):
+        if tree.get(k) is None:
+            tree[k] = chosen.get(k, DEFAULTS[k])
+    if chosen.get("paths") is not None:
+        tree["paths"] = chosen["paths"]
+    for k in ("lookup_tokens", "draft_tokens"):
+        if baselines.get(k) is None:
+            baselines[k] = chosen.get(k, DEFAULTS[k])
+    return tree, baselines
+
+
+# --------------------------------------------------------------------------------------------
+# Candidates and the choice
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Candidate:
+    knobs: dict[str, Any]
+    width: float
+    expected: float
+    draft_key: float  # the family's draft-cost knob: Medusa depth, EAGLE (depth, top_k) flattened by the caller, k
+
+
+def _medusa_candidates(table: torch.Tensor, fixed_depth: int | None) -> list[Candidate]:
+    order, probs = greedy_tree_order(table, MAX_WIDTH - 1, max_depth=fixed_depth, rank_closed=False)
+    if not order:  # nothing was ever accepted: the smallest tree still has to be a candidate
+        order, probs = [(0,)], [float(table[0, 0]) if table.numel() else 0.0]
+    out, e = [], 1.0
+    for n in range(1, len(order) + 1):
+        e += probs[n - 1]
+        paths = sorted(order[:n], key=lambda p: (len(p), p))
+        out.append(Candidate({"size": n + 1, "paths": [list(p) for p in paths]}, n + 1, e,
+                             max(len(p) for p in paths)))
+    return out
+
+
+def _dynamic_candidates(table: torch.Tensor, fixed: dict[str, int | None]) -> list[Candidate]:
+    D, R = table.shape
+    out = []
+    for depth in ([fixed["depth"]] if fixed["depth"] else range(1, D + 1)):
+        for k in ([fixed["top_k"]] if fixed["top_k"] else range(1, R + 1)):
+            order, probs = greedy_tree_order(table, MAX_WIDTH - 1, max_depth=depth, top_k=k, expand_per_depth=k)
+            cap = min(MAX_WIDTH - 1, k + (depth - 1) * k * k)  # candidates a dynamic tree of this shape can keep
+            e = 1.0
+            for n in range(1, cap + 1):
+                e += probs[n - 1] if n <= len(probs) else 0.0
+                if fixed["nodes"] and n != fixed["nodes"]:
+                    continue
+                out.append(Candidate({"top_k": k, "depth": depth, "nodes": n}, n + 1, e, 0.0))
+    return out
+
+
+def _chain_candidates(table: torch.Tensor, knob: str, lengths: Iterable[int]) -> list[Candidate]:
+    out = []
+    for k in lengths:
+        c = chain(k)
+        out.append(Candidate({knob: k}, k + 1, expected_tokens(c.parents, c.depths, c.ranks, table), float(k)))
+    return out
+
+
+def _probe_configs(kind: str, tree: dict[str, Any], baselines: dict[str, Any], num_heads: int,
+                   prior: Any) -> tuple[dict[str, Any], dict[str, Any], list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """(probe tree, probe baselines, timing configs) for a family; explicit knobs are kept in all of them."""
+    fam = family_of(kind)
+    tree, baselines = dict(tree), dict(baselines)
+    timing: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    if fam == "static":
+        H = min(num_heads, int(tree.get("max_depth") or num_heads))
+        ok = prior is not None and len(prior) >= H and all(len(r) == len(prior[0]) for r in prior[:H])
+        acc = prior if ok else generic_accuracies(H)  # the checkpoint's per-rank accuracies shape the probe tree
+        table = torch.tensor([list(r) for r in acc[:H]], dtype=torch.float64) + \
+            1e-4 * torch.tensor(generic_accuracies(H, len(acc[0])), dtype=torch.float64)
+        order, _ = greedy_tree_order(table, PROBE["size"] - 1)
+        probe = {**tree, "paths": [list(p) for p in order], "size": len(order) + 1}
+        if max(len(p) for p in order) > 1:  # draft cost grows with the heads run: time a depth-1 tree too
+            timing = [({**tree, "paths": [[0]], "size": 2}, baselines)]
+        return probe, baselines, timing
+    if fam == "dynamic":
+        kind_ = tree.get("kind") or "auto"
+        k = tree.get("top_k") or (1 if kind_ == "chain" else PROBE["top_k"])
+        d = tree.get("depth") or PROBE["depth"]
+        probe = {**tree, "kind": "dynamic", "top_k": k, "depth": d, "nodes": tree.get("nodes") or PROBE["nodes"]}
+        pts = [(1, 1), (d, 1), (d, max(1, (k + 1) // 2))] if d > 1 else [(1, 1)]
+        timing = [({**tree, "kind": "dynamic", "top_k": kk, "depth": dd, "nodes": min(8, dd * kk)}, baselines)
+                  for dd, kk in dict.fromkeys(pts) if (dd, kk) != (d, k)]
+        return probe, baselines, timing
+    if kind == "prompt_lookup":
+        return tree, {**baselines, "lookup_tokens": PROBE["lookup_tokens"]}, []
+    if kind == "draft_model":
+        return tree, {**baselines, "draft_tokens": PROBE["draft_tokens"]}, [(tree, {**baselines, "draft_tokens": 1})]
+    raise ValueError(f"tree=auto has no trees to choose for drafter {kind!r}")
+
+
+def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], target: Any, tree: dict[str, Any],
+           baselines: dict[str, Any], calib: Calibration, profile: dict[str, Any], new_tokens: int,
+           timing_tokens: int = 24, num_heads: int = 4, prior: Any = None, eos: Iterable[int] = (),
+           ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Choose the free knobs of ``kind``'s tree; returns (tree cfg, baselines cfg, choice report).
+
+    ``make(tree, baselines)`` builds a drafter; ``prior`` = the checkpoint's per-rank accuracies (Medusa),
+    used only to shape the probe tree. The report carries the table, the timings, the chosen tree's
+    modeled E[accepted + 1] and speedup over plain, the family default's for comparison, and runners-up.
+    """
+    t0 = time.perf_counter()
+    free = free_knobs(kind, tree, baselines)
+    if not free:
+        t, b = fill_defaults(kind, tree, baselines)
+        return t, b, {}
+    fam = family_of(kind)
+    probe_tree, probe_base, timing_cfgs = _probe_configs(kind, tree, baselines, num_heads, prior)
+    probe_tree, probe_base = fill_defaults(kind, probe_tree, probe_base)
+    # ---- probe run: acceptance table
+    rec = _Recorder(make(probe_tree, probe_base))
+    generate(target, rec, calib.prompts[0], 8, ())  # untimed warm-up (lazy inits, allocator)
+    rec.runs, rec.steps, rec.seq = [], [], []
+    eos = set(int(e) for e in eos)
+    for p in calib.prompts:
+        generate(target, rec, p, new_tokens, eos)
+    if fam == "static":
+        D = max(len(p) for p in probe_tree["paths"])
+        R, miss = max(p[-1] for p in probe_tree["paths"]) + 1, False
+    elif fam == "dynamic":
+        D, R, miss = int(probe_tree["depth"]), int(probe_tree["top_k"]), False
+    else:
+        D = int(probe_base["lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"])
+        R, miss = 1, True
+    records = rec.records(D)
+    table, trials, hits = acceptance_table(records, D, R, miss)
+    # ---- timing: probe + a few configs of the draft-cost knob + plain, round-robin through the decoding loop
+    runs: list[tuple[dict[str, Any], Any]] = [({"probe": True}, rec.inner)]
+    for tc, bc in timing_cfgs:
+        tc, bc = fill_defaults(kind, tc, bc)
+        runs.append(({k: tc[k] for k in ("top_k", "depth", "nodes")} if fam == "dynamic"
+                     else {"paths": tc.get("paths")} if fam == "static"
+                     else {k: bc[k] for k in ("lookup_tokens", "draft_tokens")}, make(tc, bc)))
+    runs.append(({"plain": True}, NoDrafter()))
+    *timings, plain = time_drafters(target, runs, calib.prompts, timing_tokens)
+    book = _book_line(timings + [plain])
+    draft_ms = _draft_model(kind, fam, timings, probe_tree, probe_base)
+    t_verify = anchored_verify(profile, timings + [plain])
+    # ---- candidates
+    fixed = {k: _explicit(tree, k, "tree") for k in ("top_k", "depth", "nodes")}
+    if fam == "static":
+        fd = min(num_heads, int(tree.get("max_depth") or num_heads))
+        cands = _medusa_candidates(table, fd)
+    elif fam == "dynamic" and (tree.get("kind") or "auto") == "chain":
+        cands = [Candidate({"depth": c.knobs["depth"]}, c.width, c.expected, 0.0)
+                 for c in _chain_candidates(table[:, :1], "depth", range(1, D + 1))]
+    elif fam == "dynamic":
+        cands = _dynamic_candidates(table, fixed)
+    else:
+        knob = "lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"
+        cands = _chain_candidates(table, knob, range(1, D + 1))
+    t1 = profile["t1_ms"]
+    plain_ms = t_verify(1) + plain.draft_ms + book(1)
+    widths = _lookup_widths(records, kind)
+
+    def cost(c: Candidate) -> tuple[float, float, float]:
+        if kind == "prompt_lookup":  # proposals are often shorter than the cap: average over the probe's steps
+            k = c.knobs["lookup_tokens"]
+            ws = [min(n, k) + 1 for n in widths] or [1]
+            tv = float(np.mean([t_verify(w) for w in ws]))
+            return tv, draft_ms(c), book(float(np.mean(ws)))
+        return t_verify(c.width), draft_ms(c), book(c.width)
+
+    scored = []
+    for c in cands:
+        tv, td, tb = cost(c)
+        scored.append((c.expected * plain_ms / (tv + td + tb), c, tv, td, tb))
+    if not scored:
+        raise ValueError(f"tree=auto found no candidate tree for {kind} (free knobs {free}, fixed {fixed})")
+    scored.sort(key=lambda s: -s[0])
+
+    def describe(s: tuple) -> dict[str, Any]:
+        sp, c, tv, td, tb = s
+        knobs = {k: v for k, v in c.knobs.items() if k != "paths"}
+        return {**knobs, "tree_size": round(c.width, 3), "expected_tokens": round(c.expected, 4),
+                "t_verify_ms": round(tv, 3), "t_draft_ms": round(td, 3), "bookkeeping_ms": round(tb, 3),
+                "modeled_speedup": round(sp, 4)}
+
+    best = scored[0]
+    chosen = dict(best[1].knobs)
+    out_tree, out_base = fill_defaults(kind, tree, baselines, {k: v for k, v in chosen.items() if k in free
+                                                                or k == "paths"})
+    if fam == "static":
+        out_tree["size"] = chosen["size"]
+    default = _default_of(kind, tree, baselines, scored, fam)
+    report = {"select": "auto", "family": kind, "free": free, "chosen": describe(best),
+              "paths": chosen.get("paths"), "default": describe(default) if default else None,
+              "runners_up": [describe(s) for s in scored[1:6]],
+              "plain_step_ms": round(plain_ms, 3), "t1_ms": t1,
+              "calibration": {"questions": calib.question_ids, "source": calib.source, "prompts": len(calib.prompts),
+                              "taken_from_eval": calib.taken_from_eval, "steps": len(records),
+                              "new_tokens": new_tokens, "probe": _probe_desc(probe_tree, probe_base, kind)},
+              "table": [[round(x, 4) for x in row] for row in table.tolist()],
+              "trials": trials.tolist(),
+              "timings": [{**t.config, "width": round(t.width, 2), "draft_ms": round(t.draft_ms, 3),
+                           "bookkeeping_ms": round(t.bookkeeping_ms, 3), "target_ms": round(t.target_ms, 3),
+                           "steps": t.steps} for t in timings + [plain]],
+              "profile": {"t1_ms": t1, "context": profile.get("context"), "cache": profile.get("cache")},
+              "t_verify_ms": {w: round(t_verify(w), 3) for w in (1, 2, 4, 8, 16, 32, 64)},
+              "seconds": round(time.perf_counter() - t0, 1)}
+    log.info("tree=auto %s: %s (E[acc+1] %.3f, modeled %.2fx plain) in %.0f s", kind, report["chosen"],
+             best[1].expected, best[0], report["seconds"])
+    return out_tree, out_base, report
+
+
+def anchored_verify(profile: dict[str, Any], timings: Sequence[Timing]) -> Callable[[float], float]:
+    """t_verify(width): the profile's shape, scaled to what the decoding loop's own forwards cost.
+
+    Why: the profile times one context (300 tokens) once, and on a shared machine its points are noisy;
+    the timed calibration runs measure target ms per step at a few widths, at real contexts and under the
+    load of the moment. Each of those anchors gives a scale = loop ms / profile ms; between anchors the
+    scale is interpolated over log2(width) (flat past the ends). The profile's best-of-repeats (ms_min)
+    shape is used, made non-decreasing."""
+    pts = sorted(profile["points"], key=lambda p: p["width"])
+    ws = [p["width"] for p in pts]
+    ms = monotone([p.get("ms_min", p["ms"]) for p in pts])
+    shape = lambda w: float(np.interp(w, ws, ms))  # noqa: E731
+    by_w: dict[float, list[float]] = {}
+    for t in timings:
+        if t.steps and t.target_ms > 0:
+            by_w.setdefault(round(t.width, 3), []).append(t.target_ms / shape(t.width))
+    if not by_w:
+        return lambda w: t_verify_ms(profile, w)
+    xs = sorted(by_w)
+    lx, sc = [math.log2(x) for x in xs], [float(np.mean(by_w[x])) for x in xs]
+    return lambda w: shape(w) * float(np.interp(math.log2(max(w, 1.0)), lx, sc))
+
+
+def _lookup_widths(records: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], kind: str) -> list[int]:
+    return [len(p) - 1 for p, _, _ in records] if kind == "prompt_lookup" else []
+
+
+def _draft_model(kind: str, fam: str, timings: Sequence[Timing], probe_tree: dict[str, Any],
+                 probe_base: dict[str, Any]) -> Callable[[Candidate], float]:
+    """Per-step draft ms for a candidate, interpolated over the timed configurations."""
+    probe = timings[0]
+    if fam == "static":  # Medusa: the heads up to the tree's depth run every step
+        pd = max(len(p) for p in probe_tree["paths"])
+        xs = [pd] + [max(len(p) for p in t.config["paths"]) for t in timings[1:]]
+        ys = [t.draft_ms for t in timings]
+        return lambda c: max(0.0, _interp(c.draft_key, xs, ys))
+    if fam == "dynamic":  # one draft forward per depth over the top_k frontier: base + (depth-1)·slope(top_k)
+        pts = {(int(probe_tree["depth"]), int(probe_tree["top_k"])): probe.draft_ms}
+        for t in timings[1:]:
+            pts[(int(t.config["depth"]), int(t.config["top_k"]))] = t.draft_ms
+        base = pts.get((1, 1), min(pts.values()))
+        deep = {k: v for (d, k), v in pts.items() if d > 1}
+        dmax = max(d for d, _ in pts)
+        if not deep:
+            return lambda c: base
+        ks = sorted(deep)
+        slopes = [(deep[k] - base) / (dmax - 1) for k in ks]
+        return lambda c: max(0.0, base + (c.knobs.get("depth", 1) - 1) * _interp(c.knobs.get("top_k", 1), ks, slopes))
+    knob = "lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"
+    xs = [int(probe_base[knob])] + [int(t.config[knob]) for t in timings[1:]]
+    ys = [t.draft_ms for t in timings]
+    return lambda c: max(0.0, _interp(c.draft_key, xs, ys))
+
+
+def _default_of(kind: str, tree: dict[str, Any], baselines: dict[str, Any], scored: list, fam: str) -> tuple | None:
+    """The scored candidate equal to the fixed family default (for the report), when it is in the search space."""
+    t, b = fill_defaults(kind, tree, baselines)
+    for s in scored:
+        k = s[1].knobs
+        if fam == "static" and k["size"] == t["size"]:
+            return s
+        if fam == "dynamic" and all(k.get(n, t[n]) == t[n] for n in ("top_k", "depth", "nodes")):
+            return s
+        if fam == "chain" and all(k.get(n, b[n]) == b[n] for n in ("lookup_tokens", "draft_tokens")):
+            return s
+    return None
+
+
+def _probe_desc(tree: dict[str, Any], base: dict[str, Any], kind: str) -> dict[str, Any]:
+    fam = family_of(kind)
+    if fam == "static":
+        return {"size": len(tree["paths"]) + 1}
+    if fam == "dynamic":
+        return {k: tree[k] for k in ("top_k", "depth", "nodes")}
+    return {k: base[k] for k in ("lookup_tokens", "draft_tokens")}
+
+
+def ratio(measured: float | None, modeled: float | None) -> float | None:
+    """measured / modeled speedup (1.0 = the model was exact)."""
+    if not measured or not modeled or not math.isfinite(modeled):
+        return None
+    return round(measured / modeled, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry-point glue (eval/acceptance.py, eval/measure.py)
+# --------------------------------------------------------------------------------------------
+
+def configure(kind: str, target: Any, tree: dict[str, Any], baselines: dict[str, Any],
+              make: Callable[[dict[str, Any], dict[str, Any]], Any], calibration: Callable[[], Calibration],
+              profile: Callable[[], dict[str, Any]], checkpoint: str | None = None, untrained_heads: int = 4,
+              eos: Iterable[int] = ()) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Concrete (tree, baselines) for ``kind``: explicit knobs kept, free ones chosen (tree=auto) or defaulted.
+
+    ``calibration`` and ``profile`` are called only when something is chosen. Returns the choice report
+    ({} when nothing was chosen).
+    """
+    free = free_knobs(kind, tree, baselines)
+    if not free:
+        t, b = fill_defaults(kind, tree, baselines)
+        return t, b, {}
+    cal = tree.get("calibration") or {}
+    new_tokens = int(cal.get("max_new_tokens") or 0)
+    timing_tokens = int(cal.get("timing_tokens") or 0)
+    if new_tokens < 2 or timing_tokens < 2:
+        raise ValueError(f"tree.calibration.max_new_tokens={cal.get('max_new_tokens')!r} and timing_tokens="
+                         f"{cal.get('timing_tokens')!r} must be >= 2 for tree.select=auto")
+    num_heads, prior = int(untrained_heads), None
+    if kind == "medusa" and checkpoint:
+        import json
+
+        saved = json.loads((Path(checkpoint) / "config.json").read_text())
+        num_heads = int(saved["head_config"]["num_heads"])
+        prior = saved.get("rank_accuracy") if tree.get("tuned", True) else None
+    return choose(kind, make, target, tree, baselines, calibration(), profile(), new_tokens, timing_tokens,
+                  num_heads, prior, eos)
+
+
+def tree_label(chosen: dict[str, Any]) -> str:
+    """'top_k 4, depth 3, nodes 12 (13 verified)' — the chosen knobs of a choice report, for tables and logs."""
+    knobs = [f"{k} {v}" for k, v in chosen.items() if k in ("size", "top_k", "depth", "nodes", "lookup_tokens",
+                                                              "draft_tokens")]
+    return ", ".join(knobs) + f" ({_fmt(chosen.get('tree_size'))} verified)"
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
