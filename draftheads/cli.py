@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from heads import registry
+
 # subcommand -> (module of the entry file, one line for --help)
 JOBS: dict[str, tuple[str, str]] = {
     "prepare": ("data_prep.prepare", "conversations -> split, chat template, loss masks -> Arrow cache"),
@@ -24,13 +26,12 @@ JOBS: dict[str, tuple[str, str]] = {
     "export": ("scripts.export", "EAGLE-3 export for vLLM speculators / SGLang"),
     "publish": ("scripts.publish", "a Hub-layout folder with model card and tau table"),
 }
-FAMILIES: dict[str, str] = {"medusa": "train.medusa", "eagle": "train.eagle", "eagle3": "train.eagle3"}
 COMPARE = ("scripts", "compare_families.sh", "distill, train all three families, measure them in one run")
 
 
 def usage() -> str:
     rows = [(name, help_) for name, (_, help_) in JOBS.items()]
-    rows.insert(3, (f"train {{{'|'.join(FAMILIES)}}}", "train a draft head on the frozen target"))
+    rows.insert(3, (f"train {{{'|'.join(registry.FAMILIES)}}}", "train a draft head on the frozen target"))
     rows.append(("compare", COMPARE[2]))
     width = max(len(name) for name, _ in rows)
     lines = ["usage: draftheads <command> [hydra overrides | --help | --cfg job | -m ...]", "", "commands:"]
@@ -53,10 +54,10 @@ def resolve(argv: list[str]) -> list[str]:
         raise ValueError("no command given")
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        if not rest or rest[0] not in FAMILIES:
+        if not rest or rest[0] not in registry.FAMILIES:
             got = repr(rest[0]) if rest else "nothing"
-            raise ValueError(f"'draftheads train' needs a family, got {got}; allowed: {', '.join(FAMILIES)}")
-        return [sys.executable, str(entry_file(FAMILIES[rest[0]])), *rest[1:]]
+            raise ValueError(f"'draftheads train' needs a family, got {got}; allowed: {', '.join(registry.FAMILIES)}")
+        return [sys.executable, str(entry_file(registry.get(rest[0]).trainer)), *rest[1:]]
     if cmd == "compare":
         pkg, name, _ = COMPARE
         return ["bash", str(entry_file(pkg).parent / name), *rest]

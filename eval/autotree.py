@@ -38,6 +38,7 @@ from eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder
 from eval.generate import NoDrafter, generate
 from eval.latency import monotone, t_verify_ms
 from eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
+from heads import registry
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,10 @@ def _explicit(d: dict[str, Any], key: str, where: str) -> int | None:
 
 def family_of(kind: str) -> str:
     """static (Medusa), dynamic (EAGLE/EAGLE-3), chain (prompt lookup, draft model), or none."""
-    if kind in ("medusa", "medusa-init"):
+    if kind == "medusa-init":  # the untrained Medusa reference
         return "static"
-    if kind in ("eagle", "eagle3"):
-        return "dynamic"
+    if kind in registry.FAMILIES:
+        return registry.get(kind).tree
     if kind in ("prompt_lookup", "draft_model"):
         return "chain"
     return "none"
@@ -433,7 +434,7 @@ def configure(kind: str, target: Any, tree: dict[str, Any], baselines: dict[str,
         raise ValueError(f"tree.calibration.max_new_tokens={cal.get('max_new_tokens')!r} and timing_tokens="
                          f"{cal.get('timing_tokens')!r} must be >= 2 for tree.select=auto")
     num_heads, prior = int(untrained_heads), None
-    if kind == "medusa" and checkpoint:
+    if family_of(kind) == "static" and checkpoint:  # static-tree heads record their count and rank accuracies
         import json
 
         saved = json.loads((Path(checkpoint) / "config.json").read_text())

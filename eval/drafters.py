@@ -11,6 +11,7 @@ import torch
 from eval.draft_logits import ScreenedTopK, screening_available
 from eval.generate import DraftTree, NoDrafter
 from eval.trees import StaticTree, ancestor_mask, default_tree, generic_accuracies, static_tree
+from heads import registry
 from heads.checkpoint import read_head
 from heads.medusa import MedusaHeads, medusa_config_for
 from heads.target import FrozenTarget
@@ -92,30 +93,32 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
         from eval.baselines import build_baseline_drafter
 
         return build_baseline_drafter(kind, target, baselines, dtype)
-    if kind == "eagle":
-        from eval.eagle_drafter import build_eagle_drafter
+    if kind == "medusa-init":  # identity-initialized heads: the untrained reference, not a family
+        return build_medusa_drafter(target, head, tree_cfg, dtype, num_heads=num_heads, untrained=True)
+    if kind in registry.FAMILIES:
+        return registry.get(kind).load("drafter")(target, head, tree_cfg, dtype, allow_target_mismatch)
+    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa-init, prompt_lookup, draft_model "
+                     f"or a registered family ({', '.join(registry.FAMILIES)})")
 
-        return build_eagle_drafter(target, head, tree_cfg, dtype, allow_target_mismatch)
-    if kind == "eagle3":
-        from eval.eagle3_drafter import build_eagle3_drafter
 
-        return build_eagle3_drafter(target, head, tree_cfg, dtype, allow_target_mismatch)
-    if kind in ("medusa", "medusa-init"):
-        if (tree_cfg.get("kind") or "auto") not in ("auto", "static"):
-            raise ValueError(f"Medusa heads draft static trees only; got tree.kind={tree_cfg.get('kind')!r}")
-        if kind == "medusa":
-            if not head:
-                raise ValueError("drafter=medusa needs checkpoint=<head dir>")
-            heads = MedusaHeads.from_pretrained(head, target, allow_target_mismatch).to(target.device)
-            stats = read_head(head)[0].get("rank_accuracy")
-        else:  # identity-initialized heads: the untrained reference
-            heads = MedusaHeads(medusa_config_for(target, num_heads, 1, True), target.lm_head())
-            stats = None
-        tree, source = medusa_tree(tree_cfg, heads.config.num_heads, stats)
-        return MedusaDrafter(heads, tree, dtype), {
-            "drafter": kind, "head": head, "tree_size": tree.size, "tree_depth": tree.max_depth, "tree_source": source}
-    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa, medusa-init, eagle, eagle3, "
-                     f"prompt_lookup or draft_model")
+def build_medusa_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
+                         allow_target_mismatch: bool = False, num_heads: int = 4, untrained: bool = False,
+                         ) -> tuple[MedusaDrafter, dict[str, Any]]:
+    """Medusa heads from ``head`` (``untrained``: ``num_heads`` identity-initialized ones) on their tree."""
+    if (tree_cfg.get("kind") or "auto") not in ("auto", "static"):
+        raise ValueError(f"Medusa heads draft static trees only; got tree.kind={tree_cfg.get('kind')!r}")
+    if not untrained:
+        if not head:
+            raise ValueError("drafter=medusa needs checkpoint=<head dir>")
+        heads = MedusaHeads.from_pretrained(head, target, allow_target_mismatch).to(target.device)
+        stats = read_head(head)[0].get("rank_accuracy")
+    else:
+        heads = MedusaHeads(medusa_config_for(target, num_heads, 1, True), target.lm_head())
+        stats = None
+    tree, source = medusa_tree(tree_cfg, heads.config.num_heads, stats)
+    return MedusaDrafter(heads, tree, dtype), {
+        "drafter": "medusa-init" if untrained else "medusa", "head": head, "tree_size": tree.size,
+        "tree_depth": tree.max_depth, "tree_source": source}
 
 
 def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:

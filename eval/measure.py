@@ -41,14 +41,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from data_prep.template import ensure_chat_template, prompt_ids
 from eval.acceptance import first_divergence
-from eval.autotree import MAX_WIDTH, configure, ratio
+from eval.autotree import MAX_WIDTH, configure, family_of, ratio
 from eval.calibration import Calibration, heldout_calibration
 from eval.baselines import DraftModelDrafter
 from eval.drafters import build_drafter, checkpoint_family
 from eval.generate import GenResult, NoDrafter, _clock, generate
 from eval.latency import cached_latency_profile, latency_profile, profile_key, store_profile, t_verify_ms
 from eval.questions import check_eval_limits, load_questions
-from heads import job
+from heads import job, registry
 from heads.checkpoint import atomic_write_text
 from eval.tau import paired_forwards, tau
 from heads.target import FrozenTarget, dtype_name, load_target, resolve_device
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 HF_KINDS = ("hf_plain", "hf_prompt_lookup")  # transformers' own generate(): the off-the-shelf peers
 CHAIN_KINDS = ("prompt_lookup", "draft_model")  # sweep size = chain length + 1
-TREE_KINDS = ("medusa", "medusa-init", "eagle", "eagle3")  # sweep size = nodes verified per step
+TREE_KINDS = ("medusa-init", *registry.FAMILIES)  # sweep size = nodes verified per step
 BUILTIN = ("plain",) + HF_KINDS + ("prompt_lookup", "draft_model", "medusa-init")
 
 
@@ -136,9 +136,9 @@ def sized_configs(method: Method, cfg: DictConfig, size: int | None) -> tuple[di
         if size < 2:
             raise ValueError(f"sweep sizes count the root too and must be >= 2, got {size}")
         tree["select"] = "default"
-        if method.kind in ("medusa", "medusa-init"):
+        if family_of(method.kind) == "static":
             tree["size"] = size
-        elif method.kind in ("eagle", "eagle3"):
+        elif family_of(method.kind) == "dynamic":
             tree["nodes"] = size - 1  # dynamic trees and the generic static tree (custom paths ignore it)
         elif method.kind == "prompt_lookup":
             base["lookup_tokens"] = size - 1

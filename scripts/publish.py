@@ -33,6 +33,7 @@ if str(REPO) not in sys.path:  # `python scripts/publish.py` from the repo root
     sys.path.insert(0, str(REPO))
 
 from heads import job  # noqa: E402
+from heads import registry  # noqa: E402
 from heads.checkpoint import atomic_dir, read_head  # noqa: E402
 from heads.target import EMBEDDED_TARGETS  # noqa: E402
 
@@ -146,26 +147,9 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
     L += ["", "## Use", "", "```bash", "git clone <draftheads> && cd draftheads && pip install -e .",
           "huggingface-cli download <this repo> --local-dir heads/",
           "python eval/acceptance.py checkpoint=heads/ " + (f"target=hf target.name={base}" if base else ""),
-          "```", "", "In Python: `" + {"medusa": "heads.medusa.MedusaHeads", "eagle": "heads.eagle.EagleDraft",
-                                       "eagle3": "heads.eagle3.Eagle3Draft"}.get(family, "heads.<family>")
+          "```", "", "In Python: `" + registry.get(family).head.replace(":", ".")
           + ".from_pretrained(folder, target)` with the target from `heads.target.load_target`.", ""]
     return "\n".join(L)
-
-
-def _family_loader(family: str):
-    if family == "medusa":
-        from heads.medusa import MedusaHeads
-
-        return MedusaHeads.from_pretrained
-    if family == "eagle":
-        from heads.eagle import EagleDraft
-
-        return EagleDraft.from_pretrained
-    if family == "eagle3":
-        from heads.eagle3 import Eagle3Draft
-
-        return Eagle3Draft.from_pretrained
-    raise ValueError(f"no loader for family {family!r}")
 
 
 def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None) -> dict[str, Any]:
@@ -191,7 +175,7 @@ def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None) 
         from heads.target import load_target
 
         target = load_target(target_cfg)
-        _family_loader(cfg["family"])(folder, target)
+        registry.get(cfg["family"]).load("head").from_pretrained(folder, target)
         out["loaded"] = True
     return out
 

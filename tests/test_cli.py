@@ -18,7 +18,7 @@ def test_every_command_resolves_to_its_entry_file() -> None:
         cmd = cli.resolve([name, "a=1"])
         assert cmd[0] == sys.executable and cmd[2:] == ["a=1"]
         assert Path(cmd[1]) == REPO / (module.replace(".", "/") + ".py"), name
-    for fam in cli.FAMILIES:
+    for fam in cli.registry.FAMILIES:
         assert Path(cli.resolve(["train", fam, "train.max_steps=3"])[1]) == REPO / "train" / f"{fam}.py"
     assert cli.resolve(["compare", "STEPS=2"])[1:] == [str(REPO / "scripts" / "compare_families.sh"), "STEPS=2"]
 
