@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 
 from data_prep.template import ensure_chat_template
 from eval.acceptance import run_questions, summarize
-from eval.drafters import build_drafter
+from eval.autotree import fill_defaults
+from eval.drafters import build_drafter, checkpoint_family
 from eval.questions import load_questions
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,11 @@ class TauEvaluator:
 
     def __call__(self, step: int, head_dir: str | Path) -> dict[str, Any]:
         t0 = time.perf_counter()
-        drafter, desc = build_drafter("auto", self.target, str(head_dir), self.tree, self.target.dtype)
+        # A fixed tree (knobs left to tree=auto take the family defaults): τ stays comparable from step to step
+        # and no calibration runs inside training; sizing trees by their cost is the eval job's business.
+        family = checkpoint_family(head_dir)
+        tree, _ = fill_defaults(family, OmegaConf.to_container(self.tree, resolve=True), {})
+        drafter, desc = build_drafter(family, self.target, str(head_dir), OmegaConf.create(tree), self.target.dtype)
         rows, _ = run_questions(self.target, drafter, self.questions, self.gen, desc=f"tau@{step}")
         s = summarize(rows, int(desc.get("tree_depth", 0)))
         out: dict[str, Any] = {"tau": s["tau"], "turns": s["turns"], "steps": s["steps"],
