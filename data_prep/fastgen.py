@@ -1,11 +1,12 @@
-"""A slot-based decoder with a static KV cache, for throughput-bound batched generation (self-distillation).
+"""A slot-based decoder over a preallocated KV cache, for throughput-bound batched generation (self-distillation).
 
 Why not ``model.generate``: a left-padded batch attends over every row's padding, recomputes the whole
 conversation for each later turn, sits idle on rows that already finished, and repeats KV heads for grouped-query
-attention (``repeat_kv`` copies the cache every step). Here every row ("slot") of a preallocated cache holds one
-sequence at its own length: a finished row is refilled with the next prompt at once (continuous batching), a later
-turn reuses the cached tokens it shares with the earlier ones (only the new suffix is prefilled), attention reads
-each KV head once for its whole query group, and the lm_head runs only on the positions that are sampled.
+attention (``repeat_kv`` copies the cache every step). Here every row ("slot") of one preallocated cache holds one
+sequence at its own length (the cache is resized only in 64-position chunks, as the longest live row grows or
+retires): a finished row is refilled with the next prompt at once (continuous batching), a later turn reuses the
+cached tokens it shares with the earlier ones (only the new suffix is prefilled), attention reads each KV head once
+for its whole query group, and the lm_head runs only on the positions that are sampled.
 
 It runs the Hugging Face modules themselves (their Linear, norm, MLP and rotary layers) in a leaner loop, so
 weights, dtype and RoPE variants stay the model's own; architectures outside :data:`SUPPORTED` fall back to
@@ -33,7 +34,7 @@ def supports(model: nn.Module) -> bool:
 
 
 class SlotDecoder:
-    """``slots`` sequences of at most ``max_len`` tokens each, kept in one static KV cache.
+    """``slots`` sequences of at most ``max_len`` tokens each, kept in one preallocated KV cache.
 
     Rows ``0..width-1`` are the working batch: :meth:`decode` feeds one token to each of them. The caller keeps
     them dense (:meth:`move` copies a row when one retires), so no step computes a dead row.
@@ -144,25 +145,53 @@ class SlotDecoder:
         pos = lens[:, None]  # [w, 1]
         self._cos_sin = self.base.rotary_emb(x, pos)
         rows = torch.arange(w, device=self.device)
-        dead = torch.arange(S, device=self.device)[None] > lens[:, None]  # [w, S] beyond each row's length
-        bias = torch.zeros(w, S, dtype=torch.float32, device=self.device).masked_fill_(dead, float("-inf"))
-        bias = bias[:, None, None, :]  # [w, 1, 1, S]
+        plan = self._plan(lens, S)
 
         def attend(attn, h):
             q, k, v = self._qkv(attn, h, pos)  # q [w, H, 1, D]; k, v [w, KVH, 1, D]
             li = attn.layer_idx
             self.k[li][rows, :, lens] = k[:, :, 0]
             self.v[li][rows, :, lens] = v[:, :, 0]
-            K, V = self.k[li][:w], self.v[li][:w]  # [w, KVH, S, D]: contiguous views
-            q = q.view(w, self.n_kv, self.group, self.head_dim)  # each KV head serves its query group at once
-            s = torch.matmul(q, K.transpose(-1, -2)).float() * self.scale + bias  # [w, KVH, G, S]
-            o = torch.matmul(s.softmax(-1).to(V.dtype), V)  # [w, KVH, G, D]
+            q = q.reshape(w, self.n_kv, self.group, self.head_dim)  # each KV head serves its query group at once
+            if len(plan) == 1:  # lengths alike: the whole contiguous block, no copy
+                return self._attend(q, self.k[li][:w], self.v[li][:w], plan[0][2]).reshape(w, 1, -1)
+            o = torch.empty_like(q)
+            for idx, n, bias in plan:  # ragged lengths: each group of rows only up to its own longest row
+                o[idx] = self._attend(q[idx], self.k[li][idx, :, :n], self.v[li][idx, :, :n], bias)
             return o.reshape(w, 1, -1)
 
         for layer in self.base.layers:
             x = self._block(layer, x, attend)
         self.lens[:w] += 1
         return self.model.get_output_embeddings()(self.base.norm(x[:, 0])).float()  # [w, V]
+
+    GROUPS = 4  # row groups for ragged attention
+
+    def _plan(self, lens: torch.Tensor, S: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """How to attend this step: [(rows, key length, additive mask [n, 1, 1, key length])].
+
+        One group over the whole capacity when the rows' lengths are alike; else rows sorted by length in
+        :attr:`GROUPS` groups, each over its own longest row (gathering costs a copy, so only when it reads at
+        most half the keys: a few long prompts among short ones would otherwise make every row attend over
+        their length)."""
+        w = lens.shape[0]
+        order = lens.argsort()
+        chunks = [c for c in order.tensor_split(min(self.GROUPS, w)) if len(c)]
+        spans = [int(lens[c].max()) + 1 for c in chunks]
+        grouped = 2 * sum(len(c) * n for c, n in zip(chunks, spans)) <= w * S
+        if not grouped or len(chunks) == 1:
+            chunks, spans = [torch.arange(w, device=lens.device)], [S]
+        plan = []
+        for c, n in zip(chunks, spans):
+            dead = torch.arange(n, device=lens.device)[None] > lens[c][:, None]  # [n_g, n] past each row's length
+            bias = torch.zeros(dead.shape, dtype=torch.float32, device=lens.device).masked_fill_(dead, float("-inf"))
+            plan.append((c, n, bias[:, None, None, :]))
+        return plan
+
+    def _attend(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q [n, KVH, G, D] over K, V [n, KVH, S, D] with an additive mask [n, 1, 1, S]; fp32 softmax."""
+        s = torch.matmul(q, K.transpose(-1, -2)).float() * self.scale + bias  # [n, KVH, G, S]
+        return torch.matmul(s.softmax(-1).to(V.dtype), V)  # [n, KVH, G, D]
 
     @torch.inference_mode()
     def move(self, src: int, dst: int) -> None:
@@ -205,4 +234,5 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def describe(dec: SlotDecoder) -> dict[str, Any]:
     """Shape facts a summary records."""
     return {"slots": dec.slots, "max_len": dec.max_len, "dtype": str(dec.dtype).replace("torch.", ""),
+            "capacity": dec.cap,
             "kv_cache_mib": round(sum(t.numel() * t.element_size() for t in dec.k + dec.v) / 2**20, 1)}

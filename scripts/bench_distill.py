@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
         "max_new_tokens": args.new, "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
         "top_p": 1.0, "top_k": 0, "seed": 0, "eval_questions": [str(REPO.parent / "shared/data/mt_bench.jsonl")]})
     todo, info = select_prompts(cfg, target.tokenizer, *read_done(Path("/nonexistent")))
+    firsts = sorted(len(prompt_ids(target.tokenizer, s + [{"role": "user", "content": u[0]}])) for _, s, u in todo)
     res = {"target": args.target, "dtype": dtype_name(target.dtype), "device": str(device),
            "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
            "prompts": len(todo), "turns": args.turns, "max_new_tokens": args.new, "temperature": args.temperature,
-           "median_first_prompt_tokens": sorted(len(prompt_ids(target.tokenizer, s + [{"role": "user", "content": u[0]}]))
-                                                for _, s, u in todo)[len(todo) // 2],
+           "median_first_prompt_tokens": firsts[len(firsts) // 2],
            "host_cpu": cpu_facts(), "torch": torch.__version__, "load_s": round(load_s, 1), "engines": {}}
     answers = {}
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:

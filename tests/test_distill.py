@@ -163,7 +163,8 @@ def _multi_turn_chats(path, n=9):
     for i in range(n):
         turns = []
         for t in range(1 + i % 3):
-            turns += [{"from": "human", "value": f"please count {words[(i + t) % 15]} " + " ".join(words[: 1 + (i * 7 + t) % 12])},
+            ask = f"please count {words[(i + t) % 15]} " + " ".join(words[: 1 + (i * 7 + t) % 12])
+            turns += [{"from": "human", "value": ask},
                       {"from": "gpt", "value": f"original answer {i}.{t}"}]
         recs.append({"id": f"m{i}", "conversations": turns})
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -188,32 +189,36 @@ def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_
         ref = [m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                           max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
                for p, n in zip(prompts, new)]
-        dec = SlotDecoder(m, 4, 64)
-        queue, row_of, got = list(range(9)), [None] * 4, {}
+        for groups in (1, 4):  # one attention block over the capacity | rows grouped by length
+            dec = SlotDecoder(m, 4, 64)
+            dec.GROUPS = groups
+            plan, sizes = dec._plan, []
+            dec._plan = lambda lens, S: sizes.append(len(pl := plan(lens, S))) or pl  # noqa: B023
+            queue, row_of, got = list(range(9)), [None] * 4, {}
 
-        def start(i):
-            j = queue.pop(0)
-            row_of[i], got[j] = j, [int(dec.prefill(i, prompts[j]).argmax())]
+            def start(i):
+                j = queue.pop(0)
+                row_of[i], got[j] = j, [int(dec.prefill(i, prompts[j]).argmax())]
 
-        for i in range(4):
-            start(i)
-        width, moves = 4, 0
-        while width:
-            nxt = dec.decode(torch.tensor([got[row_of[i]][-1] for i in range(width)])).argmax(-1).tolist()
-            for i in range(width):
-                got[row_of[i]].append(nxt[i])
-            for i in reversed(range(width)):
-                if len(got[row_of[i]]) == new[row_of[i]]:
-                    if queue:
-                        start(i)
-                    else:
-                        width -= 1
-                        if i != width:
-                            dec.move(width, i)
-                            row_of[i] = row_of[width]
-                            moves += 1
-        assert moves > 0
-        assert [got[j] for j in range(9)] == ref, d
+            for i in range(4):
+                start(i)
+            width, moves = 4, 0
+            while width:
+                nxt = dec.decode(torch.tensor([got[row_of[i]][-1] for i in range(width)])).argmax(-1).tolist()
+                for i in range(width):
+                    got[row_of[i]].append(nxt[i])
+                for i in reversed(range(width)):
+                    if len(got[row_of[i]]) == new[row_of[i]]:
+                        if queue:
+                            start(i)
+                        else:
+                            width -= 1
+                            if i != width:
+                                dec.move(width, i)
+                                row_of[i] = row_of[width]
+                                moves += 1
+            assert moves > 0 and (max(sizes) > 1) == (groups > 1)  # the grouped path ran when allowed
+            assert [got[j] for j in range(9)] == ref, (d, groups)
 
 
 def test_every_turn_is_answered_on_the_targets_own_earlier_answers(tmp_path, tiny_target_dir):
