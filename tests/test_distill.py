@@ -191,7 +191,7 @@ def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_
                for p, n in zip(prompts, new)]
         for groups in (1, 4):  # one attention block over the capacity | rows grouped by length
             dec = SlotDecoder(m, 4, 64)
-            dec.GROUPS = groups
+            dec.GROUPS, dec.GROUP_GAIN = groups, 1
             plan, sizes = dec._plan, []
             dec._plan = lambda lens, S: sizes.append(len(pl := plan(lens, S))) or pl  # noqa: B023
             queue, row_of, got = list(range(9)), [None] * 4, {}
