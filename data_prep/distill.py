@@ -363,7 +363,6 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     log.info("self-distillation (%s engine, %s turns, T=%s): %d done, %d to do; %s", engine, cfg.turns,
              cfg.temperature, len(done), len(todo), json.dumps(info))
     # ---- loop: a record per finished conversation, flushed and fsynced every few seconds
-    tok = target.tokenizer
     t0 = time.perf_counter()
     written, turns_answered, first_users = 0, 0, []
     bar = tqdm(total=len(todo), desc="distill", unit="conv", mininterval=2.0)
