@@ -1,18 +1,27 @@
 """Self-distillation: the frozen target rewrites the assistant turns of training conversations.
 
-    python data_prep/distill.py num_conversations=2000 [turns=all] [temperature=0.7]
+    python data_prep/distill.py [num_conversations=2000] [turns=first] [temperature=0.7 seed=1]
 
 Heads learn the target's *own* distribution best: a draft trained on the target's answers predicts
 what the target will actually say at eval time. Output is a JSONL of ``{"id", "messages", "distill"}``
-records that ``data=file data.path=...`` trains on. The job is resumable: records are appended one
-line per conversation and flushed per batch; a rerun skips ids already written and repairs a last
-line cut off by a killed job. Only training-split conversations are used (held-out prompts never leak), and a
-greedy run distills each prompt once (a repeated prompt, e.g. ShareGPT's many "continue" openers, would get the
-same answer again).
+records that ``data=file data.path=...`` trains on. ``turns=all`` (the default) answers every user turn of a
+conversation on the target's own earlier answers (as MT-bench's second turns are asked); ``temperature > 0``
+samples, each (conversation, turn) from its own seeded generator, so a rerun reproduces it whatever the batching.
+
+The job is resumable: a record is appended per finished conversation and flushed/fsynced every few seconds; a
+rerun skips ids already written and repairs a last line cut off by a killed job. Only training-split
+conversations are used (held-out prompts never leak), a prompt that appears in an eval question file
+(``eval_questions``, MT-bench by default) is dropped, and a greedy run distills each prompt once (a repeated
+prompt, e.g. ShareGPT's many "continue" openers, would get the same answer again).
+
+Speed: ``engine=slots`` (:mod:`data_prep.fastgen`) keeps ``batch_size`` conversations in a static KV cache and
+refills a row as soon as its conversation ends; ``engine=hf`` is the older ``model.generate`` loop over
+left-padded batches (any architecture; ``auto`` uses it where the slot decoder does not apply).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,9 +34,12 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from data_prep.dataset import DataConfig
+from data_prep.fastgen import SlotDecoder, common_prefix, describe, sample_next, supports
+from data_prep.prompt_kinds import kind_counts
 from data_prep.sources import Conversation, conversation_key, load_conversations, split_conversations
 from data_prep.template import ensure_chat_template, prompt_ids
 from heads import job
+from heads.checkpoint import atomic_write_text
 from heads.target import load_target, resolve_device
 
 log = logging.getLogger(__name__)
@@ -96,92 +108,305 @@ def generate_batch(target, prompts: list[list[int]], cfg: Any, generator_seed: i
     return res
 
 
-def main(cfg: DictConfig) -> dict[str, Any]:
-    # ---- setup
-    for key in ("num_conversations", "batch_size", "max_new_tokens", "max_prompt_tokens"):  # 0: an error, not a no-op
-        job.config_int(cfg, key, None, 1)
-    target = load_target(cfg.target, device=resolve_device(cfg.device))
-    dcfg = DataConfig.from_any(cfg.data)
-    ensure_chat_template(target.tokenizer, dcfg.chat_template)
-    if cfg.turns not in ("first", "all"):
-        raise ValueError(f"turns must be 'first' or 'all', got {cfg.turns!r}")
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done, seen = read_done(out)
-    convs, stats = load_conversations(dcfg.source, dcfg.path, None if cfg.num_conversations is None else
-                                      int(cfg.num_conversations) * 2 + 100, on_error=dcfg.on_error)
-    train, _ = split_conversations(convs, dcfg.heldout_fraction, dcfg.split_seed, by=dcfg.split_by)
+
+# ---- never train on eval prompts
+
+def _norm(text: str) -> str:
+    return prompt_signature([], [text])
+
+
+def eval_prompts(paths: list[str]) -> tuple[set[str], list[str]]:
+    """Normalized turns of the eval question files (MT-bench format: ``{"turns": [...]}`` per line) that exist;
+    returns (prompts, files read). A missing file is skipped with a warning (a fresh clone has none)."""
+    prompts: set[str] = set()
+    read: list[str] = []
+    for p in paths or []:
+        path = Path(str(p))
+        if not path.is_file():
+            log.warning("eval question file %s not found: its prompts cannot be excluded", path)
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    turns = json.loads(line)["turns"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"eval_questions file {path}, line {n}: expected a JSON object with 'turns' "
+                                     f"(MT-bench format)") from None
+                prompts.update(_norm(t) for t in turns if isinstance(t, str))
+        read.append(str(path))
+    return prompts, read
+
+
+def refuse_eval_source(data_path: str | None, eval_files: list[str]) -> None:
+    """The prompt source must not be an eval question file: one listed in ``eval_questions``, or any file in
+    MT-bench's question format (``question_id`` + ``turns`` records)."""
+    if not data_path:
+        return
+    p = Path(str(data_path))
+    if any(Path(e).is_file() and p.is_file() and p.resolve() == Path(e).resolve() for e in eval_files):
+        raise ValueError(f"data.path={data_path} is an eval question file (listed in eval_questions): distilling "
+                         f"it would train on the eval; use a training conversations file")
+    if p.is_file():
+        with open(p, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+        try:
+            rec = json.loads(first)
+        except json.JSONDecodeError:
+            return
+        if isinstance(rec, dict) and "question_id" in rec and "turns" in rec:
+            raise ValueError(f"data.path={data_path} holds eval questions (MT-bench format: question_id/turns on "
+                             f"line 1); distillation reads training conversations only")
+
+
+# ---- generation engines: each calls emit(conversation, messages, finish reasons per answered turn)
+
+def turn_seed(seed: int, conv_id: str, turn: int) -> int:
+    """Seed of one (conversation, turn)'s sampler: reproducible and independent of batch order."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{conv_id}:{turn}".encode("utf-8", "surrogatepass")).digest()[:8],
+                          "little") & (2**63 - 1)
+
+
+class _Row:
+    """One conversation in flight in a slot."""
+
+    def __init__(self, conv: Conversation, system: list[dict], users: list[str]):
+        self.conv, self.users = conv, users
+        self.msgs: list[dict] = list(system)
+        self.turn = 0
+        self.cached: list[int] = []  # token ids in this row's KV cache
+        self.gen: list[int] = []  # this turn's answer so far
+        self.finish: list[str] = []
+        self.rng: torch.Generator | None = None
+
+
+def run_slots(target, todo: list, cfg: Any, emit) -> dict[str, Any]:
+    """Continuous batching over a static KV cache (see :mod:`data_prep.fastgen`)."""
     tok = target.tokenizer
+    eos, max_new, max_prompt = tok.eos_token_id, int(cfg.max_new_tokens), int(cfg.max_prompt_tokens)
+    temp, top_k, top_p = float(cfg.temperature), int(cfg.top_k or 0), float(cfg.top_p)
+    slots = max(1, min(int(cfg.batch_size), len(todo)))
+    dec = SlotDecoder(target.model, slots, max_prompt + max_new)
+    rows: list[_Row | None] = [None] * slots
+    next_tok = torch.zeros(slots, dtype=torch.long, device=dec.device)
+    queue = iter(todo)
+    stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "new_tokens": 0, "prefill_s": 0.0,
+             "decode_s": 0.0, "sample_s": 0.0}  # where the time goes (the rest: templating, bookkeeping)
+
+    def start_turn(i: int, r: _Row) -> bool | None:
+        """Prefill row i with the conversation so far and feed the first sampled token: True while the turn goes on,
+        False when it ended at once, None when the prompt is too long."""
+        r.msgs.append({"role": "user", "content": r.users[r.turn]})
+        ids = prompt_ids(tok, r.msgs)
+        if len(ids) > max_prompt:
+            r.msgs.pop()  # this turn's prompt grew too long: stop the conversation here
+            return None
+        keep = min(common_prefix(r.cached, ids), len(ids) - 1)  # earlier turns stay cached
+        t = time.perf_counter()
+        logits = dec.prefill(i, ids, keep)
+        stats["prefill_s"] += time.perf_counter() - t
+        stats["prefill_tokens"] += len(ids) - keep
+        stats["reused_tokens"] += keep
+        r.cached, r.gen = list(ids), []
+        if temp > 0:
+            r.rng = torch.Generator(device=dec.device).manual_seed(turn_seed(int(cfg.seed), r.conv.id, r.turn))
+        return feed(i, r, int(sample_next(logits[None], temp, top_k, top_p, [r.rng])[0]))
+
+    def feed(i: int, r: _Row, t: int) -> bool:
+        """Take sampled token t for row i; True while the turn goes on (t is fed at the next step)."""
+        if t != eos:
+            r.gen.append(t)
+            stats["new_tokens"] += 1
+        if t == eos or len(r.gen) >= max_new:
+            r.finish.append("eos" if t == eos else "length")
+            return False
+        next_tok[i] = t
+        r.cached.append(t)
+        return True
+
+    def settle(i: int, r: _Row | None) -> bool:
+        """Row i's turn ended: record it, go on with the next turn or conversation. False: the row is empty."""
+        while r is not None:
+            if len(r.finish) > r.turn:  # a turn just ended: its answer joins the history
+                r.msgs.append({"role": "assistant", "content": tok.decode(r.gen, skip_special_tokens=True)})
+                r.turn += 1
+            if r.turn < len(r.users):
+                going = start_turn(i, r)
+                if going:
+                    rows[i] = r
+                    return True
+                if going is False:
+                    continue  # answered with EOS at once
+            if r.turn > 0:  # at least one answer (a too-long first prompt gives none)
+                emit(r.conv, r.msgs, r.finish)
+            job = next(queue, None)
+            r = None if job is None else _Row(*job)
+        rows[i] = None
+        return False
+
+    width = 0
+    for _ in range(slots):  # fill every slot (settle draws further jobs when one ends at once)
+        job = next(queue, None)
+        if job is None or not settle(width, _Row(*job)):
+            break
+        width += 1
+    while width > 0:
+        t = time.perf_counter()
+        logits = dec.decode(next_tok[:width])  # [w, V]
+        t1 = time.perf_counter()
+        toks = sample_next(logits, temp, top_k, top_p, [rows[i].rng for i in range(width)]).tolist()
+        stats["decode_s"] += t1 - t
+        stats["sample_s"] += time.perf_counter() - t1
+        stats["decode_steps"] += 1
+        done = [i for i in range(width) if not feed(i, rows[i], toks[i])]
+        for i in reversed(done):  # high to low: rows above i are settled, so the last live row can move down
+            if not settle(i, rows[i]):
+                width -= 1
+                if i != width:
+                    dec.move(width, i)
+                    rows[i], rows[width] = rows[width], None
+                    next_tok[i] = next_tok[width]
+    stats.update(describe(dec))
+    return {k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}
+
+
+def run_hf(target, todo: list, cfg: Any, emit) -> dict[str, Any]:
+    """``model.generate`` on left-padded batches, turn by turn (any architecture; the pre-slot engine)."""
+    tok = target.tokenizer
+    bs, stats = int(cfg.batch_size), {"new_tokens": 0}
+    for b in range(0, len(todo), bs):
+        batch = [(c, list(system), users) for c, system, users in todo[b:b + bs]]
+        finish: list[list[str]] = [[] for _ in batch]
+        for turn in range(max(len(u) for _, _, u in batch)):
+            keep = []
+            for i, (_, msgs, users) in enumerate(batch):
+                if turn < len(users) and len(finish[i]) == turn:  # still going
+                    msgs.append({"role": "user", "content": users[turn]})
+                    if len(prompt_ids(tok, msgs)) <= int(cfg.max_prompt_tokens):
+                        keep.append(i)
+                    else:
+                        msgs.pop()  # this turn's prompt grew too long: stop the conversation here
+            if not keep:
+                break
+            gen = generate_batch(target, [prompt_ids(tok, batch[i][1]) for i in keep], cfg,
+                                 int(cfg.seed) + b * 1000 + turn)
+            for i, (ids, why) in zip(keep, gen):
+                batch[i][1].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
+                finish[i].append(why)
+                stats["new_tokens"] += len(ids)
+        for (c, msgs, _), fin in zip(batch, finish):
+            if fin:
+                emit(c, msgs, fin)
+    return stats
+
+
+def select_prompts(cfg: DictConfig, tok, done: set[str], seen: set[str]) -> tuple[list, dict[str, Any]]:
+    """Training-split conversations still to distill, as (conversation, system, user turns), sorted by first
+    prompt length (similar lengths share a batch); plus counts of what was skipped and why."""
+    dcfg = DataConfig.from_any(cfg.data)
+    eval_files = list(cfg.get("eval_questions") or [])
+    refuse_eval_source(dcfg.path if dcfg.source == "file" else None, eval_files)
+    banned, eval_read = eval_prompts(eval_files)
+    n_max = None if cfg.num_conversations is None else int(cfg.num_conversations)
+    convs, _ = load_conversations(dcfg.source, dcfg.path, None if n_max is None else n_max * 2 + 100,
+                                  on_error=dcfg.on_error)
+    train, held = split_conversations(convs, dcfg.heldout_fraction, dcfg.split_seed, by=dcfg.split_by)
     todo: list[tuple[Conversation, list[dict], list[str]]] = []
-    skipped_long = skipped_dup = 0
+    skipped = {"long_prompt": 0, "duplicate_prompt": 0, "eval_prompt": 0}
     greedy = float(cfg.temperature) <= 0
+    lens: dict[str, int] = {}
     for c in train:
-        if cfg.num_conversations is not None and len(todo) + len(done) >= int(cfg.num_conversations):
+        if n_max is not None and len(todo) + len(done) >= n_max:
             break
         system, users = _user_turns(c)
         if not users:
             continue
-        if len(prompt_ids(tok, system + [{"role": "user", "content": users[0]}])) > int(cfg.max_prompt_tokens):
-            skipped_long += 1
+        if any(_norm(u) in banned for u in users):
+            skipped["eval_prompt"] += 1
+            continue
+        n_first = len(prompt_ids(tok, system + [{"role": "user", "content": users[0]}]))
+        if n_first > int(cfg.max_prompt_tokens):
+            skipped["long_prompt"] += 1
             continue
         if c.id in done:
             continue
         ask = users if cfg.turns == "all" else users[:1]
         sig = prompt_signature(system, ask)
         if greedy and sig in seen:  # the same prompt would get the same answer: a duplicate, not data
-            skipped_dup += 1
+            skipped["duplicate_prompt"] += 1
             continue
         seen.add(sig)
+        lens[c.id] = n_first
         todo.append((c, system, ask))
-    todo.sort(key=lambda x: len(x[2][0]))  # similar prompt lengths per batch: less padding
-    log.info("self-distillation: %d done, %d to do, %d skipped (prompt > %d tokens), %d skipped (greedy, "
-             "prompt already distilled)", len(done), len(todo), skipped_long, cfg.max_prompt_tokens, skipped_dup)
-    # ---- loop
-    t0, new_tokens, written = time.perf_counter(), 0, 0
+    todo.sort(key=lambda x: lens[x[0].id])  # similar prompt lengths run together: less padding / ragged cache
+    info = {"source_conversations": len(convs), "train_split": len(train), "heldout_split_untouched": len(held),
+            "eval_question_files": eval_read, "eval_prompts_excluded": len(banned), "skipped": skipped}
+    return todo, info
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    # ---- setup
+    for key in ("num_conversations", "batch_size", "max_new_tokens", "max_prompt_tokens"):  # 0: an error, not a no-op
+        job.config_int(cfg, key, None, 1)
+    if cfg.turns not in ("first", "all"):
+        raise ValueError(f"turns must be 'first' or 'all', got {cfg.turns!r}")
+    if cfg.engine not in ("auto", "slots", "hf"):
+        raise ValueError(f"engine must be auto, slots or hf, got {cfg.engine!r}")
+    target = load_target(cfg.target, device=resolve_device(cfg.device))
+    dcfg = DataConfig.from_any(cfg.data)
+    ensure_chat_template(target.tokenizer, dcfg.chat_template)
+    engine = cfg.engine if cfg.engine != "auto" else ("slots" if supports(target.model) else "hf")
+    if engine == "slots" and not supports(target.model):
+        raise ValueError(f"engine=slots supports Llama/Qwen2/Qwen3-style targets without sliding windows; "
+                         f"{target.config.model_type!r} needs engine=hf")
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done, seen = read_done(out)
+    todo, info = select_prompts(cfg, target.tokenizer, done, seen)
+    log.info("self-distillation (%s engine, %s turns, T=%s): %d done, %d to do; %s", engine, cfg.turns,
+             cfg.temperature, len(done), len(todo), json.dumps(info))
+    # ---- loop: a record per finished conversation, flushed and fsynced every few seconds
+    t0 = time.perf_counter()
+    written, turns_answered, first_users = 0, 0, []
     bar = tqdm(total=len(todo), desc="distill", unit="conv", mininterval=2.0)
-    bs = int(cfg.batch_size)
     with open(out, "a", encoding="utf-8") as f:
-        for b in range(0, len(todo), bs):
-            batch = todo[b:b + bs]
-            msgs = [list(system) for _, system, _ in batch]
-            finish = ["eos"] * len(batch)
-            for turn in range(max(len(u) for _, _, u in batch)):
-                active = [i for i, (_, _, u) in enumerate(batch) if turn < len(u)]
-                for i in active:
-                    msgs[i].append({"role": "user", "content": batch[i][2][turn]})
-                prompts = [prompt_ids(tok, msgs[i]) for i in active]
-                keep = [i for i, p in zip(active, prompts) if len(p) <= int(cfg.max_prompt_tokens)]
-                for i in set(active) - set(keep):
-                    msgs[i].pop()  # this turn's prompt grew too long: stop the conversation here
-                    batch[i] = (batch[i][0], batch[i][1], batch[i][2][:turn])
-                if not keep:
-                    continue
-                gen = generate_batch(target, [prompt_ids(tok, msgs[i]) for i in keep], cfg,
-                                     int(cfg.seed) + b * 1000 + turn)
-                for i, (ids, why) in zip(keep, gen):
-                    msgs[i].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)})
-                    finish[i] = why if why == "length" else finish[i]
-                    new_tokens += len(ids)
-            for i, (c, _, _) in enumerate(batch):
-                if not any(m["role"] == "assistant" for m in msgs[i]):
-                    continue
-                rec = {"id": c.id, "messages": msgs[i],
-                       "distill": {"target": target.identity.name, "revision": target.identity.revision,
-                                   "temperature": float(cfg.temperature), "finish": finish[i]}}
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                written += 1
-            f.flush()
-            os.fsync(f.fileno())
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
+        last_sync = [time.perf_counter()]
+
+        def emit(c: Conversation, msgs: list[dict], finish: list[str]) -> None:
+            nonlocal written, turns_answered
+            rec = {"id": c.id, "messages": msgs,
+                   "distill": {"target": target.identity.name, "revision": target.identity.revision,
+                               "temperature": float(cfg.temperature), "seed": int(cfg.seed),
+                               "finish": "length" if "length" in finish else "eos", "turn_finish": finish}}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            written += 1
+            turns_answered += len(finish)
+            first_users.append(next(m["content"] for m in msgs if m["role"] == "user"))
+            bar.update(1)
+            if time.perf_counter() - last_sync[0] > 5.0:
+                f.flush()
+                os.fsync(f.fileno())
+                last_sync[0] = time.perf_counter()
+
+        stats = (run_slots if engine == "slots" else run_hf)(target, todo, cfg, emit) if todo else {"new_tokens": 0}
+        f.flush()
+        os.fsync(f.fileno())
     bar.close()
     elapsed = time.perf_counter() - t0
-    summary = {"out": str(out), "written": written, "already_done": len(done), "skipped_long_prompt": skipped_long,
-               "skipped_duplicate_prompt": skipped_dup,
-               "new_tokens": new_tokens, "seconds": round(elapsed, 1),
+    kinds = kind_counts(first_users)
+    summary = {"out": str(out), "written": written, "already_done": len(done), "turns_answered": turns_answered,
+               "skipped_long_prompt": info["skipped"]["long_prompt"],
+               "skipped_duplicate_prompt": info["skipped"]["duplicate_prompt"],
+               "skipped_eval_prompt": info["skipped"]["eval_prompt"], "engine": engine, "turns": cfg.turns,
+               "new_tokens": stats["new_tokens"], "seconds": round(elapsed, 1),
                "attn_implementation": str(cfg.target.attn_implementation),
-               "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1)}
+               "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+               "tokens_per_s": round(stats["new_tokens"] / max(elapsed, 1e-9), 1),
+               "prompt_kinds": kinds, "engine_stats": {k: v for k, v in stats.items() if k != "new_tokens"},
+               **{k: v for k, v in info.items() if k != "skipped"}}
+    log.info("prompt kinds of the %d conversations written (regex classifier of the first user message): %s",
+             written, ", ".join(f"{k} {v}" for k, v in kinds.items()))
     log.info("distill done: %s", json.dumps(summary))
+    atomic_write_text(Path(str(out) + ".summary.json"), json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))
     return summary
 

@@ -9,6 +9,8 @@ from conftest import compose
 from data_prep.dataset import prepare_data
 from data_prep.distill import main as distill_main
 from data_prep.sources import Conversation, load_conversations, prompt_key, split_conversations
+from data_prep.template import prompt_ids
+from heads.target import load_target
 
 
 def _chats(path):
@@ -150,3 +152,173 @@ def test_distill_records_the_attention_kernel_that_ran(tmp_path, tiny_target_dir
     assert s_sdpa["written"] == s_eager["written"] == 4
     # fp32: the two kernels give the same greedy answers on the tiny target
     assert _records(tmp_path / "a.jsonl") == _records(tmp_path / "b.jsonl")
+
+
+# ---- the slot engine (static KV cache, continuous batching), multi-turn, sampling, coverage, eval guard
+
+def _multi_turn_chats(path, n=9):
+    """n conversations of 1-3 user turns with words from the tiny tokenizer's corpus."""
+    words = "one two three four five six seven eight nine ten cat dog red blue green".split()
+    recs = []
+    for i in range(n):
+        turns = []
+        for t in range(1 + i % 3):
+            ask = f"please count {words[(i + t) % 15]} " + " ".join(words[: 1 + (i * 7 + t) % 12])
+            turns += [{"from": "human", "value": ask},
+                      {"from": "gpt", "value": f"original answer {i}.{t}"}]
+        recs.append({"id": f"m{i}", "conversations": turns})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_dir, tiny_qwen2_dir):
+    """Token for token: 9 prompts of 3-40 tokens through 4 cache rows (refilled, rows moved down as they retire)
+    against Hugging Face generate on each prompt alone, for a Llama and a Qwen2 (biased q/k/v) target."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from data_prep.fastgen import SlotDecoder
+
+    for d in (tiny_target_dir, tiny_qwen2_dir):
+        m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, 400) for _ in range(rng.randrange(3, 41))] for _ in range(9)]
+        new = [4 + 3 * (i % 4) for i in range(9)]  # ragged answer lengths: rows retire at different steps
+        ref = [m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+               for p, n in zip(prompts, new)]
+        for groups in (1, 4):  # one attention block over the capacity | rows grouped by length
+            dec = SlotDecoder(m, 4, 64)
+            dec.GROUPS, dec.GROUP_GAIN = groups, 1
+            plan, sizes = dec._plan, []
+            dec._plan = lambda lens, S: sizes.append(len(pl := plan(lens, S))) or pl  # noqa: B023
+            queue, row_of, got = list(range(9)), [None] * 4, {}
+
+            def start(i):
+                j = queue.pop(0)
+                row_of[i], got[j] = j, [int(dec.prefill(i, prompts[j]).argmax())]
+
+            for i in range(4):
+                start(i)
+            width, moves = 4, 0
+            while width:
+                nxt = dec.decode(torch.tensor([got[row_of[i]][-1] for i in range(width)])).argmax(-1).tolist()
+                for i in range(width):
+                    got[row_of[i]].append(nxt[i])
+                for i in reversed(range(width)):
+                    if len(got[row_of[i]]) == new[row_of[i]]:
+                        if queue:
+                            start(i)
+                        else:
+                            width -= 1
+                            if i != width:
+                                dec.move(width, i)
+                                row_of[i] = row_of[width]
+                                moves += 1
+            assert moves > 0 and (max(sizes) > 1) == (groups > 1)  # the grouped path ran when allowed
+            assert [got[j] for j in range(9)] == ref, (d, groups)
+
+
+def test_every_turn_is_answered_on_the_targets_own_earlier_answers(tmp_path, tiny_target_dir):
+    """turns=all: each record holds the target's answers to every user turn, and each later answer is the
+    target's greedy reply to a history holding its own earlier answers (checked against unbatched generate).
+    The batched slot engine writes exactly the records of the unbatched (batch 1) generate engine, and later
+    turns reuse the cached conversation instead of prefilling it again."""
+    import torch
+
+    data = _multi_turn_chats(tmp_path / "multi.jsonl")
+    common = ["turns=all", "max_new_tokens=6", "data.heldout_fraction=0.0"]
+    s = distill_main(_cfg(tiny_target_dir, data, tmp_path / "slots.jsonl", *common, "engine=slots", "batch_size=4"))
+    h = distill_main(_cfg(tiny_target_dir, data, tmp_path / "hf.jsonl", *common, "engine=hf", "batch_size=1"))
+    recs = {r["id"]: r for r in _records(tmp_path / "slots.jsonl")}
+    assert {r["id"]: r for r in _records(tmp_path / "hf.jsonl")} == recs  # batched == unbatched, every turn
+    assert s["written"] == h["written"] == 9 and s["turns_answered"] == 3 + 3 * 2 + 3 * 3 == 18
+    assert s["engine_stats"]["reused_tokens"] > 0  # turn 2 and 3 prefilled only their new suffix
+
+    target = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    tok = target.tokenizer
+    checked = 0
+    for r in recs.values():
+        msgs = r["messages"]
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        assert [m["role"] for m in msgs] == ["user", "assistant"] * len(users)
+        assert not any(m["content"].startswith("original answer") for m in msgs if m["role"] == "assistant")
+        for k in range(1, len(msgs), 2):  # the reply to msgs[:k] given the distilled history before it
+            ids = prompt_ids(tok, msgs[:k])
+            out = target.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id,
+                                        eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+            out = out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
+            assert tok.decode(out, skip_special_tokens=True) == msgs[k]["content"]
+            checked += k > 1
+    assert checked == 9  # 3 two-turn + 3 × 2 three-turn later answers
+
+
+def test_sampling_is_seeded_reproducible_whatever_the_batch_and_differs_from_greedy(tmp_path, tiny_target_dir):
+    data = _multi_turn_chats(tmp_path / "multi.jsonl")
+    common = ["turns=all", "max_new_tokens=8", "data.heldout_fraction=0.0", "engine=slots"]
+    runs = {}
+    for name, extra in {"a": ["temperature=0.7", "seed=1", "batch_size=4"],
+                        "b": ["temperature=0.7", "seed=1", "batch_size=7"],
+                        "c": ["temperature=0.7", "seed=2", "batch_size=4"],
+                        "greedy": ["batch_size=4"]}.items():
+        distill_main(_cfg(tiny_target_dir, data, tmp_path / f"{name}.jsonl", *common, *extra))
+        runs[name] = {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+                      for r in _records(tmp_path / f"{name}.jsonl")}
+    assert len(runs["a"]) == 9 and runs["a"] == runs["b"]  # same seed, other batch size: the same samples
+    answers = lambda run: [a for k in sorted(run) for a in run[k]]  # noqa: E731
+    n = len(answers(runs["a"]))
+    assert n == 18
+    differ_greedy = sum(x != y for x, y in zip(answers(runs["a"]), answers(runs["greedy"])))
+    differ_seed = sum(x != y for x, y in zip(answers(runs["a"]), answers(runs["c"])))
+    assert differ_greedy >= n // 2 and differ_seed >= n // 2, (differ_greedy, differ_seed)
+
+
+def test_prompt_kind_coverage_counts_are_exact(tmp_path, tiny_target_dir):
+    from data_prep.prompt_kinds import KINDS, kind_counts, prompt_kind
+
+    toy = {"Translate 'good morning' into French": "translation",
+           "Please summarize this article in three bullet points": "summarization",
+           "Extract all dates mentioned in the text below": "extraction",
+           "Write a Python function that reverses a list": "code",
+           "Fix this bug:\n```js\nlet x = 1\n```": "code",
+           "Calculate 17 * 23 and explain each step": "math",
+           "Solve the equation 2x + 3 = 11": "math",
+           "Write a short poem about autumn leaves": "writing",
+           "Compose an email to my landlord about the heating": "writing",
+           "What is the capital of Australia?": "qa",
+           "Why is the sky blue": "qa",
+           "hello there": "other",
+           "continue": "other"}
+    assert {t: prompt_kind(t) for t in toy} == toy
+    assert kind_counts(toy) == {"translation": 1, "summarization": 1, "extraction": 1, "code": 2, "math": 2,
+                                "writing": 2, "qa": 2, "other": 2}
+    assert tuple(kind_counts([])) == KINDS
+    # the job's summary counts the first user message of each record written
+    path = tmp_path / "kinds.jsonl"
+    path.write_text("".join(json.dumps({"id": f"k{i}", "conversations": [
+        {"from": "human", "value": t}, {"from": "gpt", "value": "x"}, {"from": "human", "value": "Translate it"},
+        {"from": "gpt", "value": "y"}]}) + "\n" for i, t in enumerate(toy)))
+    s = distill_main(_cfg(tiny_target_dir, path, tmp_path / "k.jsonl", "turns=all", "data.heldout_fraction=0.0"))
+    assert s["written"] == 13 and s["prompt_kinds"] == kind_counts(toy)
+    assert json.loads((tmp_path / "k.jsonl.summary.json").read_text())["prompt_kinds"] == s["prompt_kinds"]
+
+
+def test_eval_questions_are_never_distilled(tmp_path, tiny_target_dir):
+    import pytest
+
+    questions = tmp_path / "mt_bench.jsonl"
+    questions.write_text(json.dumps({"question_id": 81, "category": "writing",
+                                     "turns": ["Please list item 3 and 4", "Now in reverse"]}) + "\n")
+    data = _chats(tmp_path / "chats.jsonl")  # holds "please list item 3 and 4" (other case) as q3
+    s = distill_main(_cfg(tiny_target_dir, data, tmp_path / "d.jsonl", "data.heldout_fraction=0.0",
+                          f"eval_questions=[{questions}]"))
+    ids = {r["id"] for r in _records(tmp_path / "d.jsonl")}
+    assert s["skipped_eval_prompt"] == 1 and "q3" not in ids and "q4" in ids
+    assert s["eval_question_files"] == [str(questions)] and s["eval_prompts_excluded"] == 2
+    with pytest.raises(ValueError, match="eval question"):  # the question file itself as the prompt source
+        distill_main(_cfg(tiny_target_dir, questions, tmp_path / "e.jsonl", f"eval_questions=[{questions}]"))
+    with pytest.raises(ValueError, match="MT-bench format"):  # any MT-bench-format file, listed or not
+        distill_main(_cfg(tiny_target_dir, questions, tmp_path / "e.jsonl", "eval_questions=[]"))

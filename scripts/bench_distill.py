@@ -1,0 +1,140 @@
+"""Benchmark the self-distillation job's generation: new tokens/s of its engines on the same prompts. Writes JSON.
+
+    python scripts/bench_distill.py [--engines slots,hf] [--prompts 64] [--new 128] [--batch 64] [--hf-batch 16]
+                                    [--dtype auto] [--turns first] [--out runs/bench/distill.json]
+
+Why: the distill job's speed decides how much training data a CPU can make (issue 22 asks >= 1,000 new tokens/s
+for SmolLM2-135M on a 2-core CPU). This runs the job's own engines (``data_prep.distill.run_slots`` and
+``run_hf``) one after the other in one process on the first ``--prompts`` conversations of ShareGPT's training
+split (the job's own prompt selection: eval prompts excluded, greedy duplicates skipped, sorted by length), so the
+ratio between them is measured in one time window. Shared machines are noisy: the JSON records the load average
+before and after each engine, the threads, the dtype and the host's CPU flags next to every figure, and the slot
+engine's split of its time (prefill, decode forward, sampling). ``--profile N`` adds a torch profile of N decode
+steps (top ops by CPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from data_prep.distill import read_done, run_hf, run_slots, select_prompts  # noqa: E402
+from data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
+from heads.checkpoint import atomic_write_text  # noqa: E402
+from heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, resolve_device  # noqa: E402
+
+
+def cpu_facts() -> dict:
+    """What the host computes natively (bf16 speed depends on it) and its model name."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    flags = set(next((l.split(":", 1)[1].split() for l in info.splitlines() if l.startswith("flags")), []))
+    model = next((l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name")),
+                 platform.processor())
+    return {"model": model, "cores": os.cpu_count(), "bf16_native": bf16_is_fast("cpu"),
+            "flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})}
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="slots,hf", help="comma-separated, run in this order")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new", type=int, default=128, help="max new tokens per answer")
+    ap.add_argument("--batch", type=int, default=64, help="slot engine: KV-cache rows")
+    ap.add_argument("--hf-batch", type=int, default=16, help="hf engine: left-padded batch (the job's old default)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--turns", default="first", choices=["first", "all"])
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--profile", type=int, default=0, help="torch-profile this many slot decode steps")
+    ap.add_argument("--out", default="runs/bench/distill.json")
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    t0 = time.perf_counter()
+    target = load_target(TargetConfig(name=args.target, dtype=args.dtype), device=device)
+    ensure_chat_template(target.tokenizer)
+    load_s = time.perf_counter() - t0
+    cfg = OmegaConf.create({
+        "data": {"name": "sharegpt", "source": "sharegpt", "path": None, "heldout_fraction": 0.02, "split_seed": 0,
+                 "split_by": "prompt", "on_error": "skip"},
+        "num_conversations": args.prompts, "turns": args.turns, "batch_size": args.batch,
+        "max_new_tokens": args.new, "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
+        "top_p": 1.0, "top_k": 0, "seed": 0, "eval_questions": [str(REPO.parent / "shared/data/mt_bench.jsonl")]})
+    todo, info = select_prompts(cfg, target.tokenizer, *read_done(Path("/nonexistent")))
+    firsts = sorted(len(prompt_ids(target.tokenizer, s + [{"role": "user", "content": u[0]}])) for _, s, u in todo)
+    res = {"target": args.target, "dtype": dtype_name(target.dtype), "device": str(device),
+           "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+           "prompts": len(todo), "turns": args.turns, "max_new_tokens": args.new, "temperature": args.temperature,
+           "median_first_prompt_tokens": firsts[len(firsts) // 2],
+           "host_cpu": cpu_facts(), "torch": torch.__version__, "load_s": round(load_s, 1), "engines": {}}
+    answers = {}
+    for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
+        if engine not in ("slots", "hf"):
+            raise ValueError(f"--engines: unknown engine {engine!r}; expected slots or hf")
+        ecfg = OmegaConf.merge(cfg, {"batch_size": args.batch if engine == "slots" else args.hf_batch})
+        got: dict[str, list] = {}
+        before = load_avg()
+        t = time.perf_counter()
+        stats = (run_slots if engine == "slots" else run_hf)(
+            target, todo, ecfg, lambda c, msgs, fin: got.__setitem__(c.id, [m["content"] for m in msgs]))
+        dt = time.perf_counter() - t
+        answers[engine] = got
+        res["engines"][engine] = {"batch": int(ecfg.batch_size), "seconds": round(dt, 2),
+                                  "new_tokens": stats["new_tokens"],
+                                  "tokens_per_s": round(stats["new_tokens"] / dt, 1), "load_before": before,
+                                  "load_after": load_avg(), "stats": stats}
+        print(engine, json.dumps(res["engines"][engine]), flush=True)
+    e = res["engines"]
+    if "slots" in e and "hf" in e:
+        res["speedup_slots_over_hf"] = round(e["slots"]["tokens_per_s"] / e["hf"]["tokens_per_s"], 2)
+        same = sum(answers["slots"].get(k) == v for k, v in answers["hf"].items())
+        res["identical_conversations"] = f"{same}/{len(answers['hf'])}"  # bf16 rounds by batch shape: not all
+    if args.profile and "slots" in e:
+        res["profile_top_ops"] = profile_decode(target, todo, cfg, args.profile)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(res, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k != "profile_top_ops"}))
+    return res
+
+
+def profile_decode(target, todo, cfg, steps: int) -> list[dict]:
+    """Top ops by self CPU time over ``steps`` decode steps of a full slot batch (prefill excluded)."""
+    from data_prep.fastgen import SlotDecoder
+
+    tok = target.tokenizer
+    n = min(int(cfg.batch_size), len(todo))
+    dec = SlotDecoder(target.model, n, int(cfg.max_prompt_tokens) + int(cfg.max_new_tokens))
+    nxt = torch.stack([dec.prefill(i, prompt_ids(tok, s + [{"role": "user", "content": u[0]}])).argmax()
+                       for i, (_, s, u) in enumerate(todo[:n])])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            nxt = dec.decode(nxt).argmax(-1)
+    rows = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]
+    total = sum(a.self_cpu_time_total for a in prof.key_averages())
+    return [{"op": a.key, "self_ms_per_step": round(a.self_cpu_time_total / 1e3 / steps, 2),
+             "share": round(a.self_cpu_time_total / total, 3), "calls_per_step": a.count // steps} for a in rows]
+
+
+if __name__ == "__main__":
+    main()
