@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The EAGLE-3 recipe in one command, every stage resumable (a rerun picks up where a killed run stopped):
+#   1. distill  the target answers every user turn of N training-split conversations (its own earlier answers as
+#               the history; the held-out split and eval files are never distilled)
+#   2. train    EAGLE-3 (+experiment=eagle3_full) on that file, measuring τ with the real greedy loop every
+#               TAU_EVERY steps on held-out prompts; best/ keeps the head with the highest τ
+#   3. measure  best/ on the benchmark questions (first turns, fp32 greedy, plain decoding beside it): τ per
+#               category, × plain, token identity
+#   4. publish  a Hub-layout folder (safetensors, config, model card with the τ table) in $RUN/hub
+#   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT
+#   N=8000 STEPS=3000 bash scripts/recipe_eagle3.sh target=hf target.name=/path/to/model
+# Env: RUN (output folder), N (conversations to distill), TURNS (all | first), DISTILL_TOKENS (answer length),
+# SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
+# TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
+# answer), E3_ARGS (space-separated EAGLE-3 overrides). Overrides given as arguments go to every job; distill and
+# measure take only the target* ones. To publish into the repo's zoo/, copy $RUN/hub there when its τ beats the
+# head already in zoo/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN=${RUN:-runs/recipe-eagle3}
+N=${N:-4000}
+TURNS=${TURNS:-all}
+DISTILL_TOKENS=${DISTILL_TOKENS:-256}
+SOURCE=${SOURCE:-}
+DATA=${DATA:-$RUN/distilled.jsonl}
+STEPS=${STEPS:-1500}
+TAU_EVERY=${TAU_EVERY:-250}
+QUESTIONS=${QUESTIONS:-../shared/data/mt_bench.jsonl}
+MAXQ=${MAXQ:-80}
+NEW=${NEW:-128}
+export WANDB_MODE=${WANDB_MODE:-offline}
+T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done
+stage() { printf '\n== %s  (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
+SECONDS=0
+
+stage "1/4 distill $N conversations, turns=$TURNS"
+S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
+python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
+  max_new_tokens="$DISTILL_TOKENS" out="$DATA"
+t1=$SECONDS
+
+stage "2/4 train EAGLE-3 for $STEPS steps, τ every $TAU_EVERY"
+read -r -a E3X <<< "${E3_ARGS:-}"
+python train/eagle3.py +experiment=eagle3_full data.path="$DATA" data.name="$(basename "$DATA" .jsonl)" \
+  train.max_steps="$STEPS" train.tau_eval.every="$TAU_EVERY" train.resume=true "$@" "${E3X[@]}" \
+  out_dir="$RUN/eagle3" hydra.run.dir="$RUN/eagle3"
+HEAD="$RUN/eagle3/best"; [ -d "$HEAD" ] || HEAD="$RUN/eagle3/final"
+t2=$SECONDS
+
+stage "3/4 measure $HEAD on $(basename "$QUESTIONS") ($MAXQ questions, first turns, $NEW tokens, fp32 greedy)"
+python eval/acceptance.py "${T[@]}" target.dtype=fp32 checkpoint="$HEAD" questions="$QUESTIONS" \
+  max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW" compare_plain=true out="$RUN/benchmark.json"
+t3=$SECONDS
+
+stage "4/4 publish to $RUN/hub"
+python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/eagle3" out="$RUN/hub" "eval=[$RUN/benchmark.json]"
+python - "$RUN" "$t1" "$t2" "$t3" "$SECONDS" <<'PY'
+import json, sys
+from pathlib import Path
+run, *t = sys.argv[1:]
+t = [int(x) for x in t]
+res = json.loads((Path(run) / "benchmark.json").read_text())
+times = {"distill_s": t[0], "train_s": t[1] - t[0], "measure_s": t[2] - t[1], "publish_s": t[3] - t[2], "total_s": t[3]}
+out = {"tau": res["summary"]["tau"], "speedup_vs_plain": res.get("speedup_vs_plain"),
+       "greedy_identical": res["greedy_identical"]["identical"], "turns": res["greedy_identical"]["turns"], **times}
+(Path(run) / "recipe.json").write_text(json.dumps(out, indent=2) + "\n")
+print(json.dumps(out))
+PY
+echo "head: $RUN/hub  (recipe.json has τ and every stage's time)"
