@@ -234,7 +234,7 @@ def heldout_calibration(cfg: Any, target: Any, qfile: str | Path, questions: lis
     from eval.questions import load_questions
 
     hfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
-    heldout = load_questions(hfile)
+    heldout = load_questions(hfile) if Path(hfile).read_text().strip() else []  # empty: calibration_split says what to do
     n = int((cfg.tree.get("calibration") or {}).get("questions") or 0)
 
     def to_ids(q: dict[str, Any]) -> list[int]:

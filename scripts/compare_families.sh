@@ -12,7 +12,7 @@
 # conversations file, or empty for the training split alone), QUESTIONS (MT-bench-format file; empty = the distilled data's held-out split), MAXQ,
 # NEW (tokens per answer), PARALLEL (1: the three trainers share the device at once; default on CUDA only),
 # MEDUSA_ARGS / EAGLE_ARGS / EAGLE3_ARGS (space-separated overrides for one family, e.g. "head.ttt_decay=0.35").
-# Cost: on an H200 the defaults take minutes; on a 2-core CPU, hours (README "Measured results" has per-run times).
+# Cost: on an H200 the defaults take minutes; on a 2-core CPU, hours (docs/experiments/ has per-run times).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/compare}
@@ -28,7 +28,9 @@ MAXQ=${MAXQ:-80}
 NEW=${NEW:-32}
 PARALLEL=${PARALLEL:-$(python -c "import torch; print(int(torch.cuda.is_available()))")}
 export WANDB_MODE=${WANDB_MODE:-offline}
-T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done  # distill and measure take only these
+T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done  # distill takes only these
+DX=(); for a in "$@"; do case $a in data.*) DX+=("$a");; esac; done  # measure also reads the distilled data's
+# held-out split (the default questions, and tree=auto's calibration prompts): prepared as the trainers prepared it
 
 # 1. the target's own answers (resumable: a rerun skips what DATA already holds)
 S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
@@ -55,7 +57,7 @@ fi
 # 3. one measurement of all three, same questions, same target, fp32 greedy
 Q=(data=distilled "${D[@]}")
 [ -n "$QUESTIONS" ] && Q+=(questions="$QUESTIONS")
-python eval/measure.py "${T[@]}" target.dtype=fp32 "${Q[@]}" out_dir="$RUN/measure" max_questions="$MAXQ" max_turns=1 \
+python eval/measure.py "${T[@]}" target.dtype=fp32 "${Q[@]}" "${DX[@]}" out_dir="$RUN/measure" max_questions="$MAXQ" max_turns=1 \
   max_new_tokens="$NEW" 'methods=[plain]' 'temperatures=[]' 'sweep.methods=[]' \
   +heads.medusa="$RUN/medusa/final" +heads.eagle="$RUN/eagle/final" +heads.eagle3="$RUN/eagle3/final"
 echo "report: $RUN/measure/report.md"
