@@ -249,6 +249,7 @@ def _chi2(tgt, drafter, prompt, joint, n, mode, seed=0) -> tuple[float, float, f
     return float(stats.chisquare(obs, exp).pvalue), tv, float(np.mean(acc))
 
 
+@pytest.mark.slow
 def test_sampled_exact_mode_matches_target_distribution():
     target = _peaky(5)
     tgt = from_model(target)

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_dir, chat_file, tmp_path):
     run = tmp_path / "run"
     qfile = tmp_path / "q.jsonl"

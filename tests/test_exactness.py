@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from eval.exactness import (
@@ -21,6 +22,7 @@ from eval.exactness import (
 from eval.verify import tree_children
 
 
+@pytest.mark.slow
 def test_exactness_job_passes_exact_and_detects_negative_controls(tmp_path: Path) -> None:
     out = tmp_path / "sub" / "exactness.json"
     cfg = SimpleNamespace(rounds=15000, seed=0, vocab_size=6, alpha=1e-3, tv_factor=3.0, out=str(out))

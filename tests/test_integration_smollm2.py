@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO, compose
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_smollm2_prepare_train_eval(tmp_path):
     out = tmp_path / "run"
@@ -43,6 +44,7 @@ def test_smollm2_prepare_train_eval(tmp_path):
     assert res["summary"]["tau"] >= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_decode_attention_benchmark_times_both_kernels_on_real_prompts(tmp_path):
     from scripts import bench_decode_attn

@@ -37,6 +37,7 @@ def _medusa_checkpoint(target_dir: Path, out: Path, num_heads: int = 2) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_measure_job_end_to_end(tiny_target_dir, tmp_path):
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")

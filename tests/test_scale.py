@@ -142,6 +142,7 @@ def test_write_summary_ends_a_multi_process_run_and_only_that(tmp_path):
 
 # ------------------------------------------------------------------------------------------ equivalence
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
 def test_ddp_and_deepspeed_zero2_match_single_process(tmp_path, tiny_target_dir, chat_file, family):
     """Same global batch (8), same losses after every step and same final weights: 1 process × batch 8 vs
@@ -192,6 +193,7 @@ def test_ddp_and_deepspeed_zero2_match_single_process(tmp_path, tiny_target_dir,
         assert sum("resumed from" in ln for ln in log_lines) == 1  # only rank 0 writes the job log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero3", "fsdp"])
 def test_zero3_and_fsdp_shard_draft_and_target_and_save_loadable_heads(tmp_path, tiny_target_dir, chat_file,
                                                                         config):
@@ -232,6 +234,7 @@ def test_zero3_and_fsdp_shard_draft_and_target_and_save_loadable_heads(tmp_path,
             assert got[s] == pytest.approx(ref[s], rel=1e-5), (s, got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["zero3", "fsdp"])
 def test_eagle_heldout_metrics_and_simulated_tau_run_in_lockstep_when_sharded(tmp_path, tiny_target_dir, chat_file,
                                                                               config):
@@ -292,6 +295,7 @@ def test_deepspeed_checkpoints_are_read_without_unpickling_code(tmp_path):
 
 # ------------------------------------------------------------------------------------------ kill + resume
 
+@pytest.mark.slow
 def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_target_dir, chat_file):
     from train.medusa import main
 
@@ -443,6 +447,7 @@ def test_simulated_tau_is_logged_with_each_evaluation(tmp_path, tiny_target_dir,
 
 # ------------------------------------------------------------------------------------------ sweeps
 
+@pytest.mark.slow
 def test_sweep_trains_evaluates_and_reports(tmp_path, tiny_target_dir, chat_file):
     sweep = tmp_path / "sweep"
     ov = [o for o in tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "unused", **{
