@@ -467,20 +467,24 @@ def _iter_jsonl(p: Path, stats: LoadStats, on_error: str):
     stats.format = "jsonl"
     index = 0
     offset = 0  # byte offset of the current line
+
+    def skip_line(kind: str, what: str) -> None:
+        """A broken line: stop there (on_error=raise) or count it, say where, and go on with the next."""
+        nonlocal index
+        if on_error == "raise":
+            raise DataError(kind, f"{p}: {what}", index=index) from None
+        stats.read += 1
+        _bump(stats.skipped, kind)
+        logger.warning("%s: %s; line skipped", p, what)
+        index += 1
+
     with open(p, "rb") as f:  # bytes: a line that is not UTF-8 costs that line only, and its number is exact
         for lineno, raw in enumerate(f, 1):
             line_start, offset = offset, offset + len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                where = f"line {lineno}, byte {line_start + e.start}"
-                if on_error == "raise":
-                    raise DataError("bad_encoding", f"{p}: {where}: not valid UTF-8 ({e.reason})",
-                                    index=index) from None
-                stats.read += 1
-                _bump(stats.skipped, "bad_encoding")
-                logger.warning("%s: %s: not valid UTF-8 (%s); line skipped", p, where, e.reason)
-                index += 1
+                skip_line("bad_encoding", f"line {lineno}, byte {line_start + e.start}: not valid UTF-8 ({e.reason})")
                 continue
             text = line.strip()
             if lineno == 1:
@@ -494,14 +498,7 @@ def _iter_jsonl(p: Path, stats: LoadStats, on_error: str):
                     stats.truncated_tail = True
                     stats.truncated_at = f"record {index} (line {lineno})"
                     return
-                where = f"line {lineno}, column {e.colno}"
-                if on_error == "raise":
-                    raise DataError("bad_json", f"{p}: {where}: invalid JSON: {e.msg}",
-                                    index=index) from None
-                stats.read += 1
-                _bump(stats.skipped, "bad_json")
-                logger.warning("%s: %s: invalid JSON (%s); line skipped", p, where, e.msg)
-                index += 1
+                skip_line("bad_json", f"line {lineno}, column {e.colno}: invalid JSON: {e.msg}")
                 continue
             stats.read += 1
             yield index, rec, f"line {lineno}"

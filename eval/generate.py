@@ -148,7 +148,29 @@ def commit_tree_path(cache: Any, cur: int, path: Sequence[int]) -> None:
     crop_cache(cache, cur + m)
 
 
-class LazySampledProbs:
+class _RowsOnDemand:
+    """The little of a [N, V] tensor verification uses (``dim``, ``len``, ``rows[i]``), rows made when first read."""
+
+    shape: torch.Size
+
+    def dim(self) -> int:
+        return 2
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return int(self.shape[0])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self) -> torch.Tensor:
+        """All rows as one [N, V] tensor (tests)."""
+        return torch.stack([self[i] for i in range(len(self))])
+
+
+class LazySampledProbs(_RowsOnDemand):
     """Target sampling distributions [N, V] computed row by row, on demand.
 
     verify_tree reads only the root's row and the rows of accepted nodes (it indexes ``probs[i]``),
@@ -167,15 +189,6 @@ class LazySampledProbs:
         self.dtype = torch.float32
         self._rows: dict[int, torch.Tensor] = {}
 
-    def dim(self) -> int:
-        return 2
-
-    def is_floating_point(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return int(self.shape[0])
-
     def __getitem__(self, i: int) -> torch.Tensor:
         i = int(i)
         if i not in self._rows:
@@ -183,12 +196,8 @@ class LazySampledProbs:
             self._rows[i] = row.float() if self._greedy else apply_sampling(row, *self._args)  # [V] float32
         return self._rows[i]
 
-    def dense(self) -> torch.Tensor:
-        """All rows as one [N, V] tensor (tests)."""
-        return torch.stack([self[i] for i in range(len(self))])
 
-
-class LazyLogitRows:
+class LazyLogitRows(_RowsOnDemand):
     """Target logits [N, V] of a tree forward whose rows go through the lm_head only when first read.
 
     Verification reads the root's row and the rows of accepted nodes only (every rule walks down one
@@ -211,15 +220,6 @@ class LazyLogitRows:
             out = lm_head(hidden[torch.tensor(idx, device=hidden.device)])  # [P, V]
             self._rows.update((i, out[j]) for j, i in enumerate(idx))
             self.computed += len(idx)
-
-    def dim(self) -> int:
-        return 2
-
-    def is_floating_point(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return int(self.shape[0])
 
     def __getitem__(self, i: int) -> torch.Tensor:
         i = int(i)
