@@ -260,5 +260,6 @@ def test_smollm2_eagle3_best_is_what_the_eval_job_measures(tmp_path):
     heldout_q = next((tmp_path / "data").rglob("heldout_questions.jsonl"))
     res = eval_main(compose("eval", [
         f"checkpoint={out / 'best'}", f"questions={heldout_q}", "max_questions=2", "max_turns=1",
-        "max_new_tokens=24", "data=sharegpt_small", f"out={tmp_path / 'eval.json'}"]))
+        "max_new_tokens=24", "data=sharegpt_small", f"out={tmp_path / 'eval.json'}",
+        "tree.select=default"]))  # the fixed tree training measures with (tree=auto would size its own)
     assert res["drafter"]["drafter"] == "eagle3" and res["summary"]["tau"] == info["tau"]
