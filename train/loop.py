@@ -34,15 +34,14 @@ from torch import nn
 from heads.checkpoint import atomic_dir, atomic_write_text
 
 from train.batching import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
-    Objective, GlobalBatches, lr_lambda, lockstep_batches)
+    GlobalBatches, lr_lambda, lockstep_batches)
 from train.distributed import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
-    requested_launch, launch_mode, zero_stage, _ensure_single_process_env, _fill_deepspeed_config,
-    resolve_mixed_precision, make_accelerator, _quiet_non_main_rank, launch_info, _device_mesh, _plain_copy,
-    shard_frozen_target, _safe_deepspeed_checkpoint_engine, _deepspeed_safe_globals)
+    launch_mode, zero_stage, resolve_mixed_precision, make_accelerator, launch_info, _device_mesh, _plain_copy,
+    shard_frozen_target, _safe_deepspeed_checkpoint_engine)
 from train.sim_tau import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
     greedy_windows, reference_ranks, accepted_lengths)
 from train.checkpointing import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
-    CKPT_RE, rng_state, set_rng_state, list_checkpoints)
+    rng_state, set_rng_state, list_checkpoints)
 from train.run import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
     TrainResult, _peak_rss_mb, _reset_peak_rss, _vm_hwm_mb, tau_every, build_tau_evaluator, run_eval_after,
     resolve_out_dir, write_summary, save_run_config)
