@@ -244,7 +244,7 @@ def check_same_tokenizer(draft_tok: Any, target_tok: Any, what: str) -> None:
 
 def build_baseline_drafter(kind: str, target: FrozenTarget, options: Mapping[str, Any] | None, dtype: torch.dtype,
                            ) -> tuple[Any, dict[str, Any]]:
-    """``prompt_lookup`` or ``draft_model`` drafter from eval options (see conf/eval.yaml ``baselines``)."""
+    """``prompt_lookup`` or ``draft_model`` drafter from eval options (see conf/baselines/default.yaml)."""
     o = dict(options or {})
     if kind == "prompt_lookup":
         d = PromptLookupDrafter(int(o.get("lookup_tokens", 10)), int(o.get("lookup_max_ngram", 3)),

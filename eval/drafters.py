@@ -82,7 +82,7 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
                   ) -> tuple[Any, dict[str, Any]]:
     """Make the drafter for the eval job; returns (drafter, description).
 
-    ``baselines``: options of the baseline drafters (conf/eval.yaml ``baselines``: draft_model,
+    ``baselines``: options of the baseline drafters (conf/baselines/default.yaml: draft_model,
     draft_tokens, lookup_tokens, lookup_max_ngram, lookup_min_ngram).
     """
     if kind == "auto":

@@ -34,7 +34,7 @@ TREE_KINDS = ("dynamic", "static", "chain")
 
 @dataclass
 class EagleTreeConfig:
-    """How the EAGLE drafter shapes its tree (mirrors conf/eval.yaml ``tree``)."""
+    """How the EAGLE drafter shapes its tree (mirrors conf/tree/default.yaml)."""
 
     kind: str = "dynamic"  # dynamic (EAGLE-2) | static (rank paths) | chain (top-1 only)
     top_k: int = 10  # dynamic: children per expanded node and nodes expanded per depth

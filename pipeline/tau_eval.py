@@ -28,17 +28,17 @@ from eval.questions import load_questions
 
 log = logging.getLogger(__name__)
 
-EVAL_CONF = Path(__file__).resolve().parents[1] / "conf" / "eval.yaml"
+TREE_CONF = Path(__file__).resolve().parents[1] / "conf" / "tree" / "default.yaml"
 
 
 def eval_tree(overrides: Any = None) -> Any:
-    """conf/eval.yaml's ``tree`` (the one truth for tree shapes) with ``overrides`` merged on top."""
-    base = OmegaConf.load(EVAL_CONF)["tree"]
+    """conf/tree/default.yaml (the one truth for tree shapes, eval's and measure's too) with ``overrides`` on top."""
+    base = OmegaConf.load(TREE_CONF)
     if overrides:
         unknown = sorted(set(overrides) - set(base))
         if unknown:
             raise ValueError(f"train.tau_eval.evaluator.tree.{unknown[0]} is not a tree setting; allowed: "
-                             f"{', '.join(sorted(base))} (see conf/eval.yaml)")
+                             f"{', '.join(sorted(base))} (see conf/tree/default.yaml)")
         base = OmegaConf.merge(base, overrides)
     return base
 

@@ -34,7 +34,7 @@ from train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accel
 log = logging.getLogger(__name__)
 
 NOISE_KINDS = ("uniform", "none")
-SIM_DEPTH = 6  # simulated-τ chain depth: eval's default EAGLE tree depth (conf/eval.yaml tree.depth)
+SIM_DEPTH = 6  # simulated-τ chain depth: eval's default EAGLE tree depth (conf/tree/default.yaml depth)
 # Held-out metrics: objective stat -> logged name (the names checkpoints have always recorded)
 HELDOUT_NAMES = {"feat": "heldout_feat", "ce": "heldout_ce", "top1/target": "heldout_top1"}
 
