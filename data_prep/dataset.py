@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,43 +22,13 @@ from tqdm.auto import tqdm
 from data_prep.sources import (SPLIT_BY, Conversation, dedupe_conversations, load_conversations, prompt_key,
                                sharegpt_path, split_conversations)
 from data_prep.template import TemplateError, ensure_chat_template, tokenize_conversation
-from heads.checkpoint import atomic_dir, atomic_write_text
+from heads.checkpoint import atomic_dir
+from heads.schema import DataConfig  # noqa: F401  (the data group's schema; imported from here by callers)
 from heads.target import cache_root
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # bump when tokenization/masking/splitting changes meaning (2: held-out rows in hash order)
-
-
-@dataclass
-class DataConfig:
-    """Mirrors conf/data/*.yaml."""
-
-    name: str = "sharegpt"  # label used in run names and reports
-    source: str = "sharegpt"  # sharegpt (the embedded package) | file (a local JSON/JSONL path)
-    path: str | None = None  # file path when source=file
-    max_conversations: int | None = None  # stop after this many usable conversations (None = all)
-    heldout_fraction: float = 0.02  # share of conversations (by split-key hash) kept out of training
-    split_seed: int = 0  # salt of the split-key hash
-    split_by: str = "prompt"  # prompt (normalized first user message: equal openers share a split) | id
-    dedupe: bool = True  # drop conversations equal to an earlier one (normalized text), after first_turn_only
-    max_length: int = 2048  # tokens per example; longer ones are truncated or dropped
-    truncation: str = "truncate"  # truncate | drop
-    packing: bool = False  # concatenate examples into max_length blocks (per-document positions and masks)
-    chat_template: str | None = None  # override the tokenizer's template (Jinja text or .jinja path)
-    on_error: str = "skip"  # skip (count and drop malformed records) | raise
-    cache_dir: str | None = None  # where prepared datasets go (default: $DRAFTHEADS_CACHE/data)
-    first_turn_only: bool = False  # keep only the first user/assistant exchange of each conversation
-
-    @classmethod
-    def from_any(cls, cfg: Any) -> "DataConfig":
-        if isinstance(cfg, cls):
-            return cfg
-        d = dict(cfg)
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown data config fields {unknown}; known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
 
 
 @dataclass

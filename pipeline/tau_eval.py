@@ -25,6 +25,7 @@ from eval.acceptance import run_questions, summarize
 from eval.autotree import fill_defaults
 from eval.drafters import build_drafter, checkpoint_family
 from eval.questions import load_questions
+from heads.schema import TreeConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ TREE_CONF = Path(__file__).resolve().parents[1] / "conf" / "tree" / "default.yam
 
 def eval_tree(overrides: Any = None) -> Any:
     """conf/tree/default.yaml (the one truth for tree shapes, eval's and measure's too) with ``overrides`` on top."""
-    base = OmegaConf.load(TREE_CONF)
+    yaml = OmegaConf.load(TREE_CONF)
+    base = OmegaConf.merge(OmegaConf.structured(TreeConfig), {k: v for k, v in yaml.items() if k != "defaults"})
     if overrides:
         unknown = sorted(set(overrides) - set(base))
         if unknown:

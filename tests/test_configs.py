@@ -77,3 +77,59 @@ def test_hydra_logs_follow_the_output(name, out, expected):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = hcompose(config_name=name, overrides=[f"out={out}"], return_hydra_config=True)
     assert cfg.hydra.run.dir == expected
+
+
+# --------------------------------------------------------------------------- typed schemas (heads/schema.py)
+
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from heads.schema import SCHEMAS  # noqa: E402
+
+
+def _dotted(node, prefix: str = "", schema: bool = False) -> set[str]:
+    """Dotted keys of a mapping; in a schema, a mapping left open (Dict[str, Any]) counts as one leaf."""
+    out = set()
+    for k in node.keys():
+        if k == "defaults":
+            continue
+        v = node._get_node(k) if isinstance(node, DictConfig) else node[k]  # a '???' value is not read
+        key = prefix + k
+        out.add(key)
+        if isinstance(v, (dict, DictConfig)) and not (schema and OmegaConf.get_type(v) is dict):
+            out |= _dotted(v, key + ".", schema)
+    return out
+
+
+SCHEMA_FILES = [(g, p) for g in SCHEMAS for p in sorted((CONF / g).glob("*.yaml"))
+                if "- schema" in p.read_text()]
+
+
+def test_every_schema_group_has_a_file_that_uses_it():
+    assert {g for g, _ in SCHEMA_FILES} == set(SCHEMAS)
+
+
+@pytest.mark.parametrize("group,path", SCHEMA_FILES, ids=lambda x: str(x) if isinstance(x, str) else x.name)
+def test_schema_and_yaml_name_the_same_fields(group, path):
+    """No drift: every schema field has its documented YAML line and every YAML key a typed field."""
+    schema = OmegaConf.structured(SCHEMAS[group])
+    fields = _dotted(schema, schema=True)
+    open_maps = {k for k in fields if OmegaConf.get_type(OmegaConf.select(schema, k)) is dict}
+    yaml_keys = {k for k in _dotted(OmegaConf.load(path)) if not any(k.startswith(m + ".") for m in open_maps)}
+    assert yaml_keys == fields, sorted(yaml_keys ^ fields)
+
+
+@pytest.mark.parametrize("primary,override,key", [
+    ("eagle3", "train.max_steps=abc", "train.max_steps"),
+    ("medusa", "optim.lr=fast", "optim.lr"),
+    ("eval", "tree.nodes=1.5", "tree.nodes"),
+    ("measure", "baselines.lookup_tokens=many", "baselines.lookup_tokens"),
+    ("prepare", "data.heldout_fraction=some", "data.heldout_fraction"),
+    ("eval", "target.trust_remote_code=maybe", "target.trust_remote_code"),
+])
+def test_a_wrongly_typed_value_stops_composition_naming_the_key(primary, override, key):
+    """Found at compose time, before a target loads (was: after, or never)."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose(primary, [override])
+    assert key in str(e.value.__cause__ or e.value)
