@@ -34,7 +34,9 @@ if str(REPO) not in sys.path:  # `python scripts/publish.py` from the repo root
 
 from heads import job  # noqa: E402
 from heads import registry  # noqa: E402
-from heads.checkpoint import atomic_dir, read_head  # noqa: E402
+import torch  # noqa: E402
+
+from heads.checkpoint import atomic_dir, read_head, save_safetensors  # noqa: E402
 from heads.target import EMBEDDED_TARGETS  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,35 @@ def hub_id_of(target: dict[str, Any]) -> str | None:
     if HUB_ID.match(name) and not Path(name).exists():
         return name
     return None
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def cast_floats(tensors: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to ``dtype`` (halves a head's size in bf16); integer maps (d2t/t2d) kept as they are."""
+    if dtype not in DTYPES:
+        raise ValueError(f"publish dtype={dtype!r} is not one of {', '.join(DTYPES)} (or null: as trained)")
+    return {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+
+
+def _metadata(path: Path) -> dict[str, str] | None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def git_commit() -> str | None:
+    """The draftheads commit this runs from (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _sha256(path: Path) -> str:
@@ -89,7 +120,8 @@ def tau_rows(eval_files: list[Path]) -> list[dict[str, Any]]:
 
 
 def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary: dict[str, Any] | None,
-               taus: list[dict[str, Any]], license_id: str, n_params: int) -> str:
+               taus: list[dict[str, Any]], license_id: str, n_params: int, weights_dtype: str | None = None,
+               made_by: str | None = None, commit: str | None = None) -> str:
     """README.md with Hub metadata (YAML front matter) and the facts a user of the head needs."""
     import yaml
 
@@ -112,7 +144,8 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
         L.append(f"| hub id | `{base}` |")
     L += ["", "Loading this head for another target (different vocabulary, hidden size or weights "
           "fingerprint) is refused by the loaders.", "", "## Draft", "",
-          f"- family: `{family}`, trainable parameters: {n_params:,}",
+          f"- family: `{family}`, trainable parameters: {n_params:,}"
+          + (f", weights stored in {weights_dtype} (trained in fp32; cast for publishing)" if weights_dtype else ""),
           f"- head config: `{json.dumps(head_cfg.get('head_config', {}), sort_keys=True)}`",
           f"- trained steps: {head_cfg.get('step')}", "", "## Training data", "",
           f"- dataset: `{data.get('name')}` (prepared-cache key `{data.get('key')}`)",
@@ -141,9 +174,27 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
             acc = " ".join(f"{a:.2f}" for a in (r.get("accept_at_depth") or []))
             L.append(f"| {r['questions']} | {r['num_questions']} | {r['drafter']} | {r['tree']} | {r['mode']} | "
                      f"{r['dtype']} | {r['tau']:.3f} | {r['tokens_per_s']} | {acc} |")
+        speed = [r for r in taus if r.get("speedup_vs_plain")]
+        if speed:
+            L += ["", "Speed against plain decoding with the same target, dtype and machine (same run): "
+                  + "; ".join(f"{r['questions']} {r['dtype']}: {r['speedup_vs_plain']:.2f}× plain" for r in speed) + "."]
+        cats = sorted({c for r in taus for c in (r.get("per_category") or {})})
+        if cats:
+            L += ["", "τ per question category:", "", "| questions | " + " | ".join(cats) + " |",
+                  "|---|" + "---:|" * len(cats)]
+            for r in taus:
+                pc = r.get("per_category") or {}
+                L.append(f"| {r['questions']} ({r['dtype']}) | "
+                         + " | ".join(f"{pc[c]:.3f}" if pc.get(c) is not None else "–" for c in cats) + " |")
         L += ["", "Per-category τ and the full settings are in `tau_table.json`."]
     else:
         L += ["No τ measured yet (run `eval/acceptance.py checkpoint=<this folder>` and publish again)."]
+    if made_by or commit:
+        L += ["", "## How it was made", ""]
+        if commit:
+            L += [f"draftheads commit `{commit}`.", ""]
+        if made_by:
+            L += ["```bash", made_by.strip(), "```"]
     L += ["", "## Use", "", "```bash", "git clone <draftheads> && cd draftheads && pip install -e .",
           "huggingface-cli download <this repo> --local-dir heads/",
           "python eval/acceptance.py checkpoint=heads/ " + (f"target=hf target.name={base}" if base else ""),
@@ -152,7 +203,8 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
     return "\n".join(L)
 
 
-def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None) -> dict[str, Any]:
+def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None,
+             dtype: str | None = None) -> dict[str, Any]:
     """Everything the Hub copy must satisfy; raises ValueError naming the first problem."""
     import yaml
 
@@ -160,7 +212,12 @@ def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None) 
     if missing:
         raise ValueError(f"publish folder {folder} lacks {missing}")
     cfg, tensors = read_head(folder)  # format, family, readable safetensors
-    if _sha256(folder / "model.safetensors") != _sha256(checkpoint / "model.safetensors"):
+    if dtype:  # the published weights are the checkpoint's, cast
+        _, ref = read_head(checkpoint)
+        want = cast_floats(ref, dtype)
+        if set(want) != set(tensors) or any(not torch.equal(want[k], tensors[k]) for k in want):
+            raise ValueError(f"model.safetensors in the publish folder is not the checkpoint's cast to {dtype}")
+    elif _sha256(folder / "model.safetensors") != _sha256(checkpoint / "model.safetensors"):
         raise ValueError("model.safetensors in the publish folder differs from the checkpoint's")
     card = (folder / "README.md").read_text()
     if not card.startswith("---\n") or card.count("---\n") < 2:
@@ -220,9 +277,14 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     n_params = sum(t.numel() for t in tensors.values())
     # ---- write the folder (atomically: a failed publish never leaves a half-written folder)
     with atomic_dir(out) as tmp:
-        shutil.copy2(ckpt / "model.safetensors", tmp / "model.safetensors")
+        if cfg.dtype:
+            save_safetensors(cast_floats(tensors, str(cfg.dtype)), tmp / "model.safetensors",
+                             metadata=_metadata(ckpt / "model.safetensors"))
+        else:
+            shutil.copy2(ckpt / "model.safetensors", tmp / "model.safetensors")
         shutil.copy2(ckpt / "config.json", tmp / "config.json")
-        (tmp / "README.md").write_text(model_card(head_cfg, run_cfg, summary, taus, str(cfg.license), n_params))
+        (tmp / "README.md").write_text(model_card(head_cfg, run_cfg, summary, taus, str(cfg.license), n_params,
+                                                  cfg.dtype, cfg.made_by, cfg.commit or git_commit()))
         import yaml
 
         (tmp / "training_config.yaml").write_text(
@@ -241,7 +303,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         else:
             raise ValueError("verify_load=true needs the run's config.yaml or target.name=<target>; "
                              "or set verify_load=false")
-    checks = validate(out, ckpt, target_cfg)
+    checks = validate(out, ckpt, target_cfg, cfg.dtype)
     files = sorted(p.name for p in out.iterdir())
     result = {"folder": str(out), "files": files, "checks": checks, "tau_rows": len(taus),
               "repo_id": cfg.repo_id, "pushed": False}

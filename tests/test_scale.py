@@ -518,6 +518,19 @@ def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_ta
     a, b = MedusaHeads.from_pretrained(hub, tgt), MedusaHeads.from_pretrained(run / "final", tgt)
     for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(v, w)
+    # a bf16 copy: half the bytes, loads back, equals the checkpoint cast; the card says how it was made
+    res16 = publish.main(pcfg("dtype=bf16", f"out={run / 'hub16'}", "made_by='bash scripts/recipe_eagle3.sh'",
+                              "commit=abc123def456"))
+    hub16 = Path(res16["folder"])
+    assert res16["checks"]["loaded"] is True
+    assert (hub16 / "model.safetensors").stat().st_size < 0.6 * (hub / "model.safetensors").stat().st_size
+    c16 = MedusaHeads.from_pretrained(hub16, tgt)
+    for (k, v), (_, w) in zip(c16.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(v, w.to(torch.bfloat16).to(v.dtype)), k
+    card16 = (hub16 / "README.md").read_text()
+    assert "abc123def456" in card16 and "bash scripts/recipe_eagle3.sh" in card16 and "bf16" in card16
+    with pytest.raises(ValueError, match="dtype='int4'"):
+        publish.main(pcfg("dtype=int4", f"out={run / 'hub4'}"))
     # push=true alone is still a dry run: no network
     calls: list[tuple] = []
 
