@@ -179,7 +179,15 @@ class _Row:
         self.rng: torch.Generator | None = None
 
 
-def run_slots(target, todo: list, cfg: Any, emit) -> dict[str, Any]:
+def until(items: Any, deadline: float | None, clock: Any = time.monotonic):
+    """``items`` in order, stopping (between items) once ``clock()`` passes ``deadline``."""
+    for x in items:
+        if deadline is not None and clock() > deadline:
+            return
+        yield x
+
+
+def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None) -> dict[str, Any]:
     """Continuous batching over a static KV cache (see :mod:`data_prep.fastgen`)."""
     tok = target.tokenizer
     eos, max_new, max_prompt = tok.eos_token_id, int(cfg.max_new_tokens), int(cfg.max_prompt_tokens)
@@ -188,7 +196,7 @@ def run_slots(target, todo: list, cfg: Any, emit) -> dict[str, Any]:
     dec = SlotDecoder(target.model, slots, max_prompt + max_new)
     rows: list[_Row | None] = [None] * slots
     next_tok = torch.zeros(slots, dtype=torch.long, device=dec.device)
-    queue = iter(todo)
+    queue = until(todo, deadline)  # conversations in flight at the deadline still finish
     stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "new_tokens": 0, "prefill_s": 0.0,
              "decode_s": 0.0, "sample_s": 0.0}  # where the time goes (the rest: templating, bookkeeping)
 
@@ -269,11 +277,11 @@ def run_slots(target, todo: list, cfg: Any, emit) -> dict[str, Any]:
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}
 
 
-def run_hf(target, todo: list, cfg: Any, emit) -> dict[str, Any]:
+def run_hf(target, todo: list, cfg: Any, emit, deadline: float | None = None) -> dict[str, Any]:
     """``model.generate`` on left-padded batches, turn by turn (any architecture; the pre-slot engine)."""
     tok = target.tokenizer
     bs, stats = int(cfg.batch_size), {"new_tokens": 0}
-    for b in range(0, len(todo), bs):
+    for b in until(range(0, len(todo), bs), deadline):
         batch = [(c, list(system), users) for c, system, users in todo[b:b + bs]]
         finish: list[list[str]] = [[] for _ in batch]
         for turn in range(max(len(u) for _, _, u in batch)):
@@ -347,6 +355,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     for key in ("num_conversations", "batch_size", "max_new_tokens", "max_prompt_tokens"):  # 0: an error, not a no-op
         job.config_int(cfg, key, None, 1)
+    minutes = cfg.get("max_minutes")
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):
+        raise ValueError(f"max_minutes must be a positive number of minutes or null, got {minutes!r}")
     if cfg.turns not in ("first", "all"):
         raise ValueError(f"turns must be 'first' or 'all', got {cfg.turns!r}")
     if cfg.engine not in ("auto", "slots", "hf"):
@@ -387,13 +398,16 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                 os.fsync(f.fileno())
                 last_sync[0] = time.perf_counter()
 
-        stats = (run_slots if engine == "slots" else run_hf)(target, todo, cfg, emit) if todo else {"new_tokens": 0}
+        deadline = None if minutes is None else time.monotonic() + 60.0 * float(minutes)
+        stats = ((run_slots if engine == "slots" else run_hf)(target, todo, cfg, emit, deadline) if todo
+                 else {"new_tokens": 0})
         f.flush()
         os.fsync(f.fileno())
     bar.close()
     elapsed = time.perf_counter() - t0
     kinds = kind_counts(first_users)
     summary = {"out": str(out), "written": written, "already_done": len(done), "turns_answered": turns_answered,
+               "left_to_do": len(todo) - written, "stopped_at_max_minutes": minutes is not None and written < len(todo),
                "skipped_long_prompt": info["skipped"]["long_prompt"],
                "skipped_duplicate_prompt": info["skipped"]["duplicate_prompt"],
                "skipped_eval_prompt": info["skipped"]["eval_prompt"], "engine": engine, "turns": cfg.turns,

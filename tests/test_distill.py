@@ -322,3 +322,21 @@ def test_eval_questions_are_never_distilled(tmp_path, tiny_target_dir):
         distill_main(_cfg(tiny_target_dir, questions, tmp_path / "e.jsonl", f"eval_questions=[{questions}]"))
     with pytest.raises(ValueError, match="MT-bench format"):  # any MT-bench-format file, listed or not
         distill_main(_cfg(tiny_target_dir, questions, tmp_path / "e.jsonl", "eval_questions=[]"))
+
+
+def test_max_minutes_stops_between_conversations_and_a_rerun_goes_on(tmp_path, tiny_target_dir):
+    from data_prep.distill import until
+
+    ticks = iter(range(100))
+    assert list(until("abcdef", 2.5, clock=lambda: float(next(ticks)))) == ["a", "b", "c"]  # 0, 1, 2 <= 2.5
+    assert list(until("abc", None)) == ["a", "b", "c"]
+    data = _chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "distilled.jsonl"
+    s = distill_main(_cfg(tiny_target_dir, data, out, "max_minutes=1e-9"))  # past the deadline at once
+    assert s["written"] == 0 and s["stopped_at_max_minutes"] and s["left_to_do"] > 0
+    s2 = distill_main(_cfg(tiny_target_dir, data, out))
+    assert s2["written"] == s["left_to_do"] and not s2["stopped_at_max_minutes"] and s2["left_to_do"] == 0
+    import pytest
+
+    with pytest.raises(ValueError, match="max_minutes"):
+        distill_main(_cfg(tiny_target_dir, data, out, "max_minutes=-1"))
