@@ -1,30 +1,36 @@
 #!/usr/bin/env bash
 # The EAGLE-3 recipe in one command, every stage resumable (a rerun picks up where a killed run stopped):
-#   1. distill  the target answers every user turn of N training-split conversations (its own earlier answers as
-#               the history; the held-out split and eval files are never distilled)
-#   2. train    EAGLE-3 (+experiment=eagle3_full) on that file, measuring τ with the real greedy loop every
-#               TAU_EVERY steps on held-out prompts; best/ keeps the head with the highest τ
-#   3. measure  best/ on the benchmark questions (first turns, fp32 greedy, plain decoding beside it): τ per
-#               category, × plain, token identity
-#   4. publish  a Hub-layout folder (safetensors, config, model card with the τ table) in $RUN/hub
-#   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT
+#   1. distill  the target answers N training-split conversations (first turns by default; TURNS=all answers every
+#               user turn on its own earlier answers) for at most DISTILL_MIN minutes; the held-out split and eval
+#               files are never distilled
+#   2. train    EAGLE-3 (+experiment=eagle3_full plus E3_ARGS) on that file, measuring τ with the real greedy loop
+#               every TAU_EVERY steps on held-out prompts; best/ keeps the head with the highest τ
+#   3. measure  best/ on the benchmark questions (first turns): fp32 greedy τ per category and token identity with
+#               plain decoding (eval/acceptance.py); then tokens/s in the default dtype against plain decoding and
+#               prompt lookup, trees chosen by tree=auto (eval/measure.py)
+#   4. publish  a Hub-layout folder (bf16 safetensors, config, model card with the τ table) in $RUN/hub
+#   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT (~2.5 h, 2 cores)
 #   N=8000 STEPS=3000 bash scripts/recipe_eagle3.sh target=hf target.name=/path/to/model
-# Env: RUN (output folder), N (conversations to distill), TURNS (all | first), DISTILL_TOKENS (answer length),
-# SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
-# TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
-# answer), E3_ARGS (space-separated EAGLE-3 overrides). Overrides given as arguments go to every job; distill and
-# measure take only the target* ones. To publish into the repo's zoo/, copy $RUN/hub there when its τ beats the
-# head already in zoo/.
+# Env: RUN (output folder), N (conversations to distill; null = the whole training split), TURNS (first | all),
+# DISTILL_MIN (minutes of distillation; null = no limit), DISTILL_TOKENS (answer length), SOURCE (a conversations
+# file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS, TAU_EVERY (steps between τ
+# measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per answer), E3_ARGS
+# (space-separated EAGLE-3 overrides), MEASURE (0 skips the tokens/s stage). Overrides given as arguments go to
+# every job; distill and measure take only the target* ones. To publish into the repo's zoo/, copy $RUN/hub there
+# when its τ beats the head already in zoo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/recipe-eagle3}
-N=${N:-4000}
-TURNS=${TURNS:-all}
+N=${N:-null}
+TURNS=${TURNS:-first}
+DISTILL_MIN=${DISTILL_MIN:-30}
 DISTILL_TOKENS=${DISTILL_TOKENS:-256}
 SOURCE=${SOURCE:-}
 DATA=${DATA:-$RUN/distilled.jsonl}
-STEPS=${STEPS:-1500}
-TAU_EVERY=${TAU_EVERY:-250}
+STEPS=${STEPS:-500}
+TAU_EVERY=${TAU_EVERY:-100}
+E3_ARGS=${E3_ARGS-head.draft_vocab_size=8192 head.draft_vocab_reference=sharegpt head.ttt_steps=4 train.save_every=50}
+MEASURE=${MEASURE:-1}
 QUESTIONS=${QUESTIONS:-../shared/data/mt_bench.jsonl}
 MAXQ=${MAXQ:-80}
 NEW=${NEW:-128}
@@ -33,14 +39,14 @@ T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done
 stage() { printf '\n== %s  (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 SECONDS=0
 
-stage "1/4 distill $N conversations, turns=$TURNS"
+stage "1/4 distill $N conversations, turns=$TURNS, at most $DISTILL_MIN minutes"
 S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
 python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
-  max_new_tokens="$DISTILL_TOKENS" out="$DATA"
+  max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA"
 t1=$SECONDS
 
 stage "2/4 train EAGLE-3 for $STEPS steps, τ every $TAU_EVERY"
-read -r -a E3X <<< "${E3_ARGS:-}"
+read -r -a E3X <<< "$E3_ARGS"
 python train/eagle3.py +experiment=eagle3_full data.path="$DATA" data.name="$(basename "$DATA" .jsonl)" \
   train.max_steps="$STEPS" train.tau_eval.every="$TAU_EVERY" train.resume=true "$@" "${E3X[@]}" \
   out_dir="$RUN/eagle3" hydra.run.dir="$RUN/eagle3"
@@ -50,10 +56,15 @@ t2=$SECONDS
 stage "3/4 measure $HEAD on $(basename "$QUESTIONS") ($MAXQ questions, first turns, $NEW tokens, fp32 greedy)"
 python eval/acceptance.py "${T[@]}" target.dtype=fp32 checkpoint="$HEAD" questions="$QUESTIONS" \
   max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW" compare_plain=true out="$RUN/benchmark.json"
+if [ "$MEASURE" = 1 ]; then
+  python eval/measure.py "${T[@]}" "+heads.eagle3=$HEAD" questions="$QUESTIONS" max_questions="$MAXQ" max_turns=1 \
+    max_new_tokens="$NEW" "methods=[plain,prompt_lookup]" "temperatures=[]" "sweep.methods=[]" out_dir="$RUN/measure"
+fi
 t3=$SECONDS
 
 stage "4/4 publish to $RUN/hub"
-python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/eagle3" out="$RUN/hub" "eval=[$RUN/benchmark.json]"
+python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/eagle3" out="$RUN/hub" "eval=[$RUN/benchmark.json]" \
+  dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS E3_ARGS=\"$E3_ARGS\" bash scripts/recipe_eagle3.sh $*'"
 python - "$RUN" "$t1" "$t2" "$t3" "$SECONDS" <<'PY'
 import json, sys
 from pathlib import Path
@@ -61,8 +72,16 @@ run, *t = sys.argv[1:]
 t = [int(x) for x in t]
 res = json.loads((Path(run) / "benchmark.json").read_text())
 times = {"distill_s": t[0], "train_s": t[1] - t[0], "measure_s": t[2] - t[1], "publish_s": t[3] - t[2], "total_s": t[3]}
-out = {"tau": res["summary"]["tau"], "speedup_vs_plain": res.get("speedup_vs_plain"),
+out = {"tau": res["summary"]["tau"], "speedup_vs_plain_fp32": res.get("speedup_vs_plain"),
        "greedy_identical": res["greedy_identical"]["identical"], "turns": res["greedy_identical"]["turns"], **times}
+m = Path(run) / "measure" / "results.json"
+if m.is_file():
+    r = json.loads(m.read_text())
+    g = next(b for b in r["settings"].values() if b["mode"] == "greedy")
+    out["measure_dtype"] = r["dtype"]
+    out["speedup_vs_plain"] = {k: v["overall"] for k, v in g["speedup_vs_plain"].items()}
+    out["tau_measure"] = {k: v["tau"] for k, v in g["methods"].items()}
+    out["tree_choice"] = r.get("tree_choice")
 (Path(run) / "recipe.json").write_text(json.dumps(out, indent=2) + "\n")
 print(json.dumps(out))
 PY

@@ -20,8 +20,9 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in
                                enumerate([("a", "hello there how are you"), ("b", "count one two three four")])) + "\n")
-    env = dict(os.environ, RUN=str(run), N="12", SOURCE=str(chat_file), DISTILL_TOKENS="8", STEPS="4", TAU_EVERY="2",
-               QUESTIONS=str(qfile), MAXQ="2", NEW="8", E3_ARGS="head.aux_layers=[0,1,2] train.tau_eval.evaluator.prompts=2",
+    env = dict(os.environ, RUN=str(run), N="12", TURNS="all", SOURCE=str(chat_file), DISTILL_TOKENS="8", STEPS="4", TAU_EVERY="2",
+               QUESTIONS=str(qfile), MAXQ="2", NEW="8",
+               E3_ARGS="head.aux_layers=[0,1,2] head.draft_vocab_size=64 train.tau_eval.evaluator.prompts=2",
                WANDB_MODE="disabled", DRAFTHEADS_CACHE=str(tmp_path / "cache"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     overrides = ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true", "train.device=cpu",
@@ -40,8 +41,12 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     assert out["tau"] == bench["summary"]["tau"] >= 1.0
     assert out["turns"] == 2 and out["greedy_identical"] == 2  # fp32: the head reproduces plain greedy
     assert out["total_s"] >= out["train_s"] >= 0
+    assert set(out["speedup_vs_plain"]) == {"plain", "prompt_lookup", "eagle3"} and out["speedup_vs_plain"]["plain"] == 1.0
+    assert out["tau_measure"]["eagle3"] >= 1.0 and out["tree_choice"]
     hub = run / "hub"
     assert {"model.safetensors", "config.json", "README.md", "tau_table.json"} <= {f.name for f in hub.iterdir()}
+    card = (hub / "README.md").read_text()
+    assert "bash scripts/recipe_eagle3.sh" in card and "bf16" in card and "## How it was made" in card
 
     again = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
