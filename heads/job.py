@@ -96,7 +96,12 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
         def task_guarded(cfg: Any) -> Any:
             nonlocal started
             started = True
-            return guarded(task)(cfg)
+            from heads.schema import check
+
+            def checked(cfg: Any) -> Any:
+                check(cfg)  # choices of the shared groups, before anything loads
+                return task(cfg)
+            return guarded(functools.wraps(task)(checked))(cfg)
 
         functools.update_wrapper(task_guarded, task)
         # Hydra reads the job name from the function's module when it is not __main__ (see

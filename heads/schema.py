@@ -149,6 +149,30 @@ class TargetConfig:
     local_files_only: bool = True
 
 
+# Values a string field may take, checked by ``check`` before a job runs (a typed field cannot say this).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.source": ("sharegpt", "file"), "data.split_by": ("prompt", "id"), "data.truncation": ("truncate", "drop"),
+    "data.on_error": ("skip", "raise"),
+    "target.dtype": ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"),
+    "target.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"), "train.shard_target": ("auto", "true", "false"),
+    "optim.schedule": ("cosine", "linear", "constant"), "logging.wandb": ("offline", "online", "disabled"),
+    "tree.select": ("auto", "default"), "tree.kind": ("auto", "static", "dynamic", "chain"),
+}
+
+
+def check(cfg: Any) -> None:
+    """Raise ValueError naming the key, the value and what is allowed, for every ``CHOICES`` key the config has."""
+    from omegaconf import OmegaConf
+
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        text = str(value).lower() if key == "train.shard_target" else str(value)  # true/True/false/False
+        if value is not None and text not in allowed:
+            group = key.split(".")[0]
+            raise ValueError(f"{key}={value} is not allowed; allowed: {', '.join(allowed)} (conf/{group}/)")
+
+
 SCHEMAS: dict[str, type] = {"data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
                             "logging": LoggingConfig, "tree": TreeConfig, "baselines": BaselinesConfig,
                             "target": TargetConfig}

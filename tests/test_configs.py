@@ -133,3 +133,24 @@ def test_a_wrongly_typed_value_stops_composition_naming_the_key(primary, overrid
     with pytest.raises(ConfigCompositionException) as e:
         compose(primary, [override])
     assert key in str(e.value.__cause__ or e.value)
+
+
+@pytest.mark.parametrize("primary,override,allowed", [
+    ("eagle3", "train.mixed_precision=fp8", "auto, no, bf16, fp16"),
+    ("eval", "tree.select=best", "auto, default"),
+    ("measure", "tree.kind=CHAIN", "auto, static, dynamic, chain"),
+    ("medusa", "optim.schedule=step", "cosine, linear, constant"),
+    ("prepare", "data.on_error=ignore", "skip, raise"),
+])
+def test_a_value_outside_its_choices_is_named_before_the_job_runs(primary, override, allowed):
+    from heads.schema import check
+
+    with pytest.raises(ValueError, match=re_escape(f"{override} is not allowed; allowed: {allowed}")):
+        check(compose(primary, [override]))
+    check(compose(primary, ["train.shard_target=true"] if primary in ("eagle3", "medusa") else []))  # defaults pass
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
