@@ -56,3 +56,42 @@ def test_decode_attention_benchmark_times_both_kernels_on_real_prompts(tmp_path)
     assert set(res["tokens_per_s"]) == {"sdpa", "eager"} and all(v > 0 for v in res["tokens_per_s"].values())
     assert res["faster"] == max(res["tokens_per_s"], key=res["tokens_per_s"].get)
     assert res["eager_speedup"] == pytest.approx(res["tokens_per_s"]["eager"] / res["tokens_per_s"]["sdpa"], rel=1e-2)
+
+
+ZOO_HEADS = sorted(p for p in (REPO / "zoo").iterdir() if p.is_dir()) if (REPO / "zoo").is_dir() else []
+
+
+def test_zoo_stays_small():
+    """zoo/ holds published heads in the Hub layout, ≤ 25 MB of weights each and ≤ 40 MB altogether."""
+    total = 0
+    for head in ZOO_HEADS:
+        files = {f.name for f in head.iterdir()}
+        assert {"model.safetensors", "config.json", "README.md", "tau_table.json"} <= files, head
+        size = (head / "model.safetensors").stat().st_size
+        assert size <= 25 * 2**20, (head, size)
+        total += sum(f.stat().st_size for f in head.rglob("*") if f.is_file())
+        assert "## Measured τ" in (head / "README.md").read_text()
+    assert total <= 40 * 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("head", ZOO_HEADS, ids=lambda p: p.name)
+def test_zoo_head_loads_decodes_exactly_and_exports(head, tmp_path):
+    """A published head loads on the embedded target, decodes token-identically to plain greedy (fp32) and, if it
+    is an EAGLE-3 draft, exports to the speculators layout."""
+    from eval.acceptance import main as eval_main
+
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"question_id": 1, "category": "writing",
+                                 "turns": ["Write two sentences about the sea."]}) + "\n")
+    res = eval_main(compose("eval", [f"checkpoint={head}", f"questions={qfile}", "max_new_tokens=32",
+                                     "target.dtype=fp32", "compare_plain=true", "tree.select=default",
+                                     f"out={tmp_path / 'eval.json'}"]))
+    assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 1
+    assert res["summary"]["tau"] > 1.0  # a trained head accepts something on 32 tokens
+    if json.loads((head / "config.json").read_text())["family"] == "eagle3":
+        from scripts.export import main as export_main
+
+        s = export_main(compose("export", [f"checkpoint={head}", f"out={tmp_path / 'export'}"]))
+        assert (tmp_path / "export" / "model.safetensors").is_file() and s
