@@ -12,12 +12,13 @@
 #   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT (~2.5 h, 2 cores)
 #   N=8000 STEPS=3000 bash scripts/recipe_eagle3.sh target=hf target.name=/path/to/model
 # Env: RUN (output folder), N (conversations to distill; null = the whole training split), TURNS (first | all),
-# DISTILL_MIN (minutes of distillation; null = no limit), DISTILL_TOKENS (answer length), SOURCE (a conversations
-# file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS, TAU_EVERY (steps between τ
-# measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per answer), E3_ARGS
-# (space-separated EAGLE-3 overrides), MEASURE (0 skips the tokens/s stage). Overrides given as arguments go to
-# every job; distill and measure take only the target* ones. To publish into the repo's zoo/, copy $RUN/hub there
-# when its τ beats the head already in zoo/.
+# DISTILL_MIN (minutes of distillation; null = no limit; 0 = train on DATA as it is), DISTILL_TOKENS (answer
+# length), SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
+# TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
+# answer), E3_ARGS (space-separated EAGLE-3 overrides), MEASURE (0 skips the tokens/s stage). Overrides given as
+# arguments go to every job; distill and measure take only the target* ones. A rerun with a different STEPS resumes
+# the newest checkpoint on the new schedule. To publish into the repo's zoo/, copy $RUN/hub there when its τ beats
+# the head already in zoo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/recipe-eagle3}
@@ -41,8 +42,12 @@ SECONDS=0
 
 stage "1/4 distill $N conversations, turns=$TURNS, at most $DISTILL_MIN minutes"
 S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
-python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
-  max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA"
+if [ "$DISTILL_MIN" = 0 ]; then
+  echo "DISTILL_MIN=0: training on $DATA as it is ($(wc -l < "$DATA") conversations)"
+else
+  python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
+    max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA"
+fi
 t1=$SECONDS
 
 stage "2/4 train EAGLE-3 for $STEPS steps, τ every $TAU_EVERY"
