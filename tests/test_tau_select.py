@@ -268,3 +268,19 @@ def test_smollm2_eagle3_best_is_what_the_eval_job_measures(tmp_path):
         "max_new_tokens=24", "data=sharegpt_small", f"out={tmp_path / 'eval.json'}",
         "tree.select=default"]))  # the fixed tree training measures with (tree=auto would size its own)
     assert res["drafter"]["drafter"] == "eagle3" and res["summary"]["tau"] == info["tau"]
+
+
+def test_plot_run_redraws_a_stopped_runs_png(tmp_path):
+    """A run stopped before its end has no training.png: scripts/plot_run.py draws it from metrics.jsonl."""
+    from scripts.plot_run import plot_run
+
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    rows = [{"step": s, "loss": 10.0 / s, "top1/s0": 0.1 * s / 10} for s in range(1, 11)]
+    rows[4]["tau_eval/tau"], rows[9]["tau_eval/tau"] = 1.5, 1.7
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "best" / "best.json").write_text(json.dumps({"step": 10, "tau": 1.7}))
+    png = plot_run(run, tmp_path / "copy.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (run / "training.png").stat().st_size > 10_000
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path / "nothing")
