@@ -100,13 +100,40 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def measure_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of an eval/measure.py ``results.json``: every trained head's greedy setting (× plain from the same run)."""
+    rows = []
+    for name, m in r["methods"].items():
+        if not m.get("checkpoint"):
+            continue
+        for block in r["settings"].values():
+            if block.get("mode") != "greedy" or name not in block.get("methods", {}):
+                continue
+            s = block["methods"][name]
+            rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
+                         "turns": s.get("turns"), "drafter": m.get("drafter") or m.get("kind"),
+                         "tree": f"{m.get('tree_kind')} ({m.get('tree_select')}, {m.get('tree_size')} verified)",
+                         "tree_size": m.get("tree_size"), "mode": "greedy", "dtype": r.get("dtype"),
+                         "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
+                         "tokens_per_s": s.get("tokens_per_s"),
+                         "speedup_vs_plain": (block.get("speedup_vs_plain") or {}).get(name, {}).get("overall"),
+                         "accept_at_depth": None, "source": "eval/measure.py",
+                         "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}})
+    return rows
+
+
 def tau_rows(eval_files: list[Path]) -> list[dict[str, Any]]:
-    """One row per eval/acceptance.py result: question set, drafter, τ, tokens/s, acceptance by depth."""
+    """One row per eval/acceptance.py result (question set, drafter, τ, tokens/s, acceptance by depth), and one per
+    trained head of an eval/measure.py results.json."""
     rows = []
     for f in eval_files:
         r = _read_json(f)
+        if r is not None and "settings" in r and "methods" in r:
+            rows += measure_rows(r)
+            continue
         if r is None or "summary" not in r:
-            raise ValueError(f"{f} is not an eval/acceptance.py result (no 'summary')")
+            raise ValueError(f"{f} is neither an eval/acceptance.py result (no 'summary') nor an eval/measure.py "
+                             f"results.json")
         s = r["summary"]
         d = r.get("drafter", {})
         rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),

@@ -563,3 +563,28 @@ def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_ta
     for f in hub.rglob("*"):
         if f.is_file():
             assert secret.encode() not in f.read_bytes()
+
+
+def test_publish_tau_table_reads_a_measure_run(tmp_path):
+    """eval/measure.py results give the card one row per trained head: τ, × plain and τ per category."""
+    from scripts.publish import model_card, tau_rows
+
+    block = {"mode": "greedy", "methods": {
+        "plain": {"tau": 1.0, "tokens_per_s": 20.0, "turns": 2},
+        "eagle3": {"tau": 1.6, "tokens_per_s": 25.0, "turns": 2, "per_category": {"math": {"tau": 1.7}, "coding": {"tau": 1.5}}}},
+        "speedup_vs_plain": {"plain": {"overall": 1.0}, "eagle3": {"overall": 1.25}}}
+    res = {"questions": "q/mt_bench.jsonl", "num_questions": 2, "dtype": "bf16", "max_new_tokens": 16,
+           "methods": {"plain": {"kind": "plain", "checkpoint": None},
+                       "eagle3": {"kind": "eagle3", "checkpoint": "x", "drafter": "eagle3", "tree_kind": "dynamic",
+                                  "tree_select": "auto", "tree_size": 6}},
+           "settings": {"greedy": block, "t0.7": {**block, "mode": "exact"}}}
+    f = tmp_path / "results.json"
+    f.write_text(json.dumps(res))
+    rows = tau_rows([f])
+    assert len(rows) == 1 and rows[0]["tau"] == 1.6 and rows[0]["speedup_vs_plain"] == 1.25
+    assert rows[0]["per_category"] == {"math": 1.7, "coding": 1.5} and rows[0]["dtype"] == "bf16"
+    card = model_card({"family": "eagle3", "target": {"name": "smollm2-135m"}}, None, None, rows, "apache-2.0", 10)
+    assert "1.25× plain" in card and "| mt_bench.jsonl (bf16) | 1.500 | 1.700 |" in card
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="neither"):
+        tau_rows([tmp_path / "bad.json"])
