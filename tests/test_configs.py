@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -145,12 +146,6 @@ def test_a_wrongly_typed_value_stops_composition_naming_the_key(primary, overrid
 def test_a_value_outside_its_choices_is_named_before_the_job_runs(primary, override, allowed):
     from heads.schema import check
 
-    with pytest.raises(ValueError, match=re_escape(f"{override} is not allowed; allowed: {allowed}")):
+    with pytest.raises(ValueError, match=re.escape(f"{override} is not allowed; allowed: {allowed}")):
         check(compose(primary, [override]))
     check(compose(primary, ["train.shard_target=true"] if primary in ("eagle3", "medusa") else []))  # defaults pass
-
-
-def re_escape(s: str) -> str:
-    import re
-
-    return re.escape(s)
