@@ -42,8 +42,11 @@ from heads import registry
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = {"size": 64, "top_k": 10, "depth": 6, "nodes": 60, "lookup_tokens": 10, "draft_tokens": 4}
-MINIMUM = {"size": 2, "top_k": 1, "depth": 1, "nodes": 1, "max_depth": 1, "lookup_tokens": 1, "draft_tokens": 1}
+DEFAULTS = {"size": 64, "top_k": 10, "depth": 6, "nodes": 60, "lookup_tokens": 10, "draft_tokens": 4, "lookup_branch": 0}
+MINIMUM = {"size": 2, "top_k": 1, "depth": 1, "nodes": 1, "max_depth": 1, "lookup_tokens": 1, "draft_tokens": 1,
+           "lookup_branch": 0}
+LOOKUP_BRANCH = (0, 3, 6, 10)  # tree.lookup_branch lengths tree=auto measures on the calibration prompts
+NARROW = 8  # widest head tree also tried under a lookup branch when the head's best alone is wider
 PROBE = {"top_k": 10, "depth": 8, "nodes": 63, "size": 64, "lookup_tokens": 16, "draft_tokens": 8}
 MAX_WIDTH = 64  # largest tree considered (root included)
 SELECT = ("auto", "default")
@@ -92,13 +95,14 @@ def free_knobs(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> li
     if _select(tree) != "auto":
         return []
     fam = family_of(kind)
+    branch = ["lookup_branch"] if tree.get("lookup_branch") is None else []  # trained heads only
     if fam == "static":
-        return [] if tree.get("paths") or tree.get("size") is not None else ["size"]
+        return ([] if tree.get("paths") or tree.get("size") is not None else ["size"]) + branch
     if fam == "dynamic":
         k = tree.get("kind") or "auto"
         if k in ("auto", "dynamic"):
-            return [n for n in ("top_k", "depth", "nodes") if tree.get(n) is None]
-        return ["depth"] if k == "chain" and tree.get("depth") is None else []
+            return [n for n in ("top_k", "depth", "nodes") if tree.get(n) is None] + branch
+        return (["depth"] if k == "chain" and tree.get("depth") is None else []) + branch
     if kind == "prompt_lookup":
         return ["lookup_tokens"] if baselines.get("lookup_tokens") is None else []
     if kind == "draft_model":
@@ -108,7 +112,7 @@ def free_knobs(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> li
 
 def validate(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> None:
     _select(tree)
-    for k in ("size", "top_k", "depth", "nodes", "max_depth"):
+    for k in ("size", "top_k", "depth", "nodes", "max_depth", "lookup_branch"):
         _explicit(tree, k, "tree")
     for k in ("lookup_tokens", "draft_tokens"):
         _explicit(baselines, k, "baselines")
@@ -119,7 +123,7 @@ def fill_defaults(kind: str, tree: dict[str, Any], baselines: dict[str, Any],
     """Concrete copies of ``tree`` / ``baselines``: explicit values kept, ``chosen`` next, family defaults last."""
     validate(kind, tree, baselines)
     tree, baselines, chosen = dict(tree), dict(baselines), dict(chosen or {})
-    for k in ("size", "top_k", "depth", "nodes"):
+    for k in ("size", "top_k", "depth", "nodes", "lookup_branch"):
         if tree.get(k) is None:
             tree[k] = chosen.get(k, DEFAULTS[k])
     if chosen.get("paths") is not None:
@@ -227,6 +231,17 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
     if not free:
         t, b = fill_defaults(kind, tree, baselines)
         return t, b, {}
+    if "lookup_branch" in free:  # the head's own tree first (no branch), then the branch on top of it
+        head = {**tree, "lookup_branch": 0}
+        out_tree, out_base, report = choose(kind, make, target, head, baselines, calib, profile, new_tokens,
+                                            timing_tokens, num_heads, prior, eos)
+        heads = [out_tree]
+        if report.get("narrow"):  # a cheap head tree may pay more once copying covers the long accepts
+            heads.append(fill_defaults(kind, head, baselines, report["narrow"])[0])
+        out_tree, report = choose_lookup_branch(make, target, heads, out_base, calib, profile, new_tokens,
+                                                timing_tokens, eos, report)
+        report["seconds"] = round(time.perf_counter() - t0, 1)
+        return out_tree, out_base, report
     fam = family_of(kind)
     probe_tree, probe_base, timing_cfgs = _probe_configs(kind, tree, baselines, num_heads, prior)
     probe_tree, probe_base = fill_defaults(kind, probe_tree, probe_base)
@@ -301,6 +316,7 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
 
     best = scored[0]
     chosen = dict(best[1].knobs)
+    narrow = next((c for _, c, *_ in scored if c.width <= NARROW), None)  # the best cheap tree, for the branch stage
     out_tree, out_base = fill_defaults(kind, tree, baselines, {k: v for k, v in chosen.items() if k in free
                                                                 or k == "paths"})
     if fam == "static":
@@ -309,6 +325,8 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
     report = {"select": "auto", "family": kind, "free": free, "chosen": describe(best),
               "paths": chosen.get("paths"), "default": describe(default) if default else None,
               "runners_up": [describe(s) for s in scored[1:6]],
+              "narrow": ({k: v for k, v in narrow.knobs.items() if k in free or k == "paths"}
+                         if narrow is not None and narrow is not best[1] else None),
               "plain_step_ms": round(plain_ms, 3), "t1_ms": t1,
               "calibration": {"questions": calib.question_ids, "source": calib.source, "prompts": len(calib.prompts),
                               "taken_from_eval": calib.taken_from_eval, "steps": len(records),
@@ -324,6 +342,57 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
     log.info("tree=auto %s: %s (E[acc+1] %.3f, modeled %.2fx plain) in %.0f s", kind, report["chosen"],
              best[1].expected, best[0], report["seconds"])
     return out_tree, out_base, report
+
+
+def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], target: Any,
+                         trees: Sequence[dict[str, Any]], baselines: dict[str, Any], calib: Calibration,
+                         profile: dict[str, Any], new_tokens: int, timing_tokens: int, eos: Iterable[int],
+                         report: dict[str, Any], lengths: Sequence[int] = LOOKUP_BRANCH,
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Choose ``tree.lookup_branch`` (and which of the head ``trees`` carries it): the most modeled tokens/s.
+
+    A merged tree's E[accepted + 1] is not a product of per-depth tables (the copied branch is right or wrong
+    as a whole, and shares nodes with the head's guess), so it is measured: each (head tree, length) decodes
+    the calibration prompts through the real loop. Costs come from the same model as the head's tree: the
+    anchored profile at each step's own width, the timed draft ms per step, bookkeeping as a line in the width.
+    ``report`` (the head stage's, {} when no head knob was free) gains ``lookup_branch``; its ``chosen`` entry
+    becomes the merged tree's numbers (``head_only`` keeps the head stage's)."""
+    eos = set(int(e) for e in eos)
+    configs = [{**t, "lookup_branch": n} for t in trees for n in lengths]
+    runs = [({"head": i, "lookup_branch": n}, make(c, baselines))
+            for i, c in enumerate(configs) for n in [c["lookup_branch"]]]
+    generate(target, runs[0][1], calib.prompts[0], 8, ())  # untimed warm-up
+    acc: list[list[int]] = [[] for _ in runs]
+    widths: list[list[int]] = [[] for _ in runs]
+    for (_, d), a, w in zip(runs, acc, widths):
+        for p in calib.prompts:
+            res = generate(target, d, p, new_tokens, eos)
+            a.extend(res.accepted)
+            w.extend(res.tree_sizes)
+    *timings, plain = time_drafters(target, runs + [({"plain": True}, NoDrafter())], calib.prompts, timing_tokens)
+    book = _book_line(timings + [plain])
+    t_verify = anchored_verify(profile, timings + [plain])
+    plain_ms = t_verify(1) + plain.draft_ms + book(1)
+    rows = []
+    keys = [k for k in ("size", "top_k", "depth", "nodes") if k in (report.get("chosen") or {})]  # the head's knobs
+    for c, a, w, t in zip(configs, acc, widths, timings):
+        tau = (sum(a) + len(a)) / max(1, len(a))
+        tv = float(np.mean([t_verify(x) for x in w])) if w else t_verify(1)
+        tb = book(float(np.mean(w)) if w else 1.0)
+        knobs = {k: c[k] for k in keys}
+        rows.append({**knobs, "lookup_branch": c["lookup_branch"],
+                     "tree_size": round(float(np.mean(w)) if w else 1.0, 3), "expected_tokens": round(tau, 4),
+                     "t_verify_ms": round(tv, 3), "t_draft_ms": round(t.draft_ms, 3), "bookkeeping_ms": round(tb, 3),
+                     "modeled_speedup": round(tau * plain_ms / (tv + t.draft_ms + tb), 4), "steps": len(a)})
+    i = max(range(len(rows)), key=lambda j: rows[j]["modeled_speedup"])
+    best = configs[i]
+    report = {**report, "select": "auto", "free": list(report.get("free", [])) + ["lookup_branch"],
+              "head_only": report.get("chosen"), "chosen": rows[i], "paths": best.get("paths"),
+              "lookup_branch": {"lengths": list(lengths), "rows": rows, "plain_step_ms": round(plain_ms, 3),
+                                "prompts": len(calib.prompts), "new_tokens": new_tokens}}
+    log.info("tree=auto lookup_branch: %s (measured E[acc+1] %.3f, modeled %.2fx plain)", tree_label(rows[i]),
+             rows[i]["expected_tokens"], rows[i]["modeled_speedup"])
+    return best, report
 
 
 def anchored_verify(profile: dict[str, Any], timings: Sequence[Timing]) -> Callable[[float], float]:
@@ -447,7 +516,7 @@ def configure(kind: str, target: Any, tree: dict[str, Any], baselines: dict[str,
 def tree_label(chosen: dict[str, Any]) -> str:
     """'top_k 4, depth 3, nodes 12 (13 verified)' — the chosen knobs of a choice report, for tables and logs."""
     knobs = [f"{k} {v}" for k, v in chosen.items() if k in ("size", "top_k", "depth", "nodes", "lookup_tokens",
-                                                              "draft_tokens")]
+                                                              "draft_tokens", "lookup_branch")]
     return ", ".join(knobs) + f" ({_fmt(chosen.get('tree_size'))} verified)"
 
 

@@ -94,11 +94,30 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
 
         return build_baseline_drafter(kind, target, baselines, dtype)
     if kind == "medusa-init":  # identity-initialized heads: the untrained reference, not a family
-        return build_medusa_drafter(target, head, tree_cfg, dtype, num_heads=num_heads, untrained=True)
+        out = build_medusa_drafter(target, head, tree_cfg, dtype, num_heads=num_heads, untrained=True)
+        return with_lookup_branch(*out, tree_cfg, baselines)
     if kind in registry.FAMILIES:
-        return registry.get(kind).load("drafter")(target, head, tree_cfg, dtype, allow_target_mismatch)
+        out = registry.get(kind).load("drafter")(target, head, tree_cfg, dtype, allow_target_mismatch)
+        return with_lookup_branch(*out, tree_cfg, baselines)
     raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa-init, prompt_lookup, draft_model "
                      f"or a registered family ({', '.join(registry.FAMILIES)})")
+
+
+def with_lookup_branch(drafter: Any, desc: dict[str, Any], tree_cfg: Any, baselines: Any = None,
+                       ) -> tuple[Any, dict[str, Any]]:
+    """Merge up to ``tree.lookup_branch`` prompt-lookup tokens into a head's tree (eval/lookup_branch.py); 0/null: off.
+
+    The n-gram lengths are the prompt-lookup baseline's (``baselines.lookup_max_ngram``/``lookup_min_ngram``)."""
+    from heads.job import config_int
+
+    n = config_int(tree_cfg, "lookup_branch", 0, 0, "tree")
+    if not n:
+        return drafter, desc
+    from eval.lookup_branch import LookupBranch
+
+    b = baselines or {}
+    hi, lo = int(b.get("lookup_max_ngram") or 3), int(b.get("lookup_min_ngram") or 1)
+    return LookupBranch(drafter, n, hi, lo), {**desc, "lookup_branch": n}
 
 
 def build_medusa_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,

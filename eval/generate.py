@@ -30,6 +30,7 @@ class DraftTree:
     draft_probs: torch.Tensor | None = None  # [N, V] drafter distribution each node was sampled from
     depths: torch.Tensor | None = None  # [N] (computed when None)
     mask: torch.Tensor | None = None  # [N, N] ancestor mask (computed when None)
+    prefetch: list[int] | None = None  # nodes whose target logits go through the lm_head at once (None: first choices)
 
 
 class Drafter(Protocol):
@@ -324,7 +325,8 @@ def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | tor
         t1 = _clock(dev)
         out = tree_forward(target, tree.tokens, amask, depths, cur, cache, layers, logits=n == 1)
         logits = out["logits"][0] if n == 1 else LazyLogitRows(
-            out["last_hidden"][0], target.lm_head(), first_choice_chain(tree.parents))  # [N, V], rows on demand
+            out["last_hidden"][0], target.lm_head(),
+            tree.prefetch if tree.prefetch is not None else first_choice_chain(tree.parents))  # [N, V], rows on demand
         res.target_seconds += _clock(dev) - t1
         dist = _target_dist(logits, mode, sampling)  # [N, V] (rows computed on demand)
         accepted, nxt = verify_tree(tree.tokens, tree.parents, dist, tree.draft_probs, mode=mode, generator=generator)

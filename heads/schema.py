@@ -104,7 +104,7 @@ class LoggingConfig:
 
 @dataclass
 class CalibrationConfig:
-    questions: int = 4
+    questions: int = 8
     max_new_tokens: int = 64
     timing_tokens: int = 24
 
@@ -122,6 +122,7 @@ class TreeConfig:
     max_depth: Optional[int] = None
     tuned: bool = True
     paths: Optional[List[List[int]]] = None
+    lookup_branch: Optional[int] = None
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 

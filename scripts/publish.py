@@ -100,6 +100,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def branch_note(desc: dict[str, Any]) -> str:
+    """' + lookup branch N' when the head decoded with a prompt-lookup branch in its tree (tree.lookup_branch)."""
+    n = desc.get("lookup_branch")
+    return f" + lookup branch {n}" if n else ""
+
+
 def measure_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of an eval/measure.py ``results.json``: every trained head's greedy setting (× plain from the same run)."""
     rows = []
@@ -112,7 +118,8 @@ def measure_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
             s = block["methods"][name]
             rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
                          "turns": s.get("turns"), "drafter": m.get("drafter") or m.get("kind"),
-                         "tree": f"{m.get('tree_kind')} ({m.get('tree_select')}, {m.get('tree_size')} verified)",
+                         "tree": f"{m.get('tree_kind')} ({m.get('tree_select')}, {m.get('tree_size')} verified)"
+                                 + branch_note(m),
                          "tree_size": m.get("tree_size"), "mode": "greedy", "dtype": r.get("dtype"),
                          "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
                          "tokens_per_s": s.get("tokens_per_s"),
@@ -137,7 +144,7 @@ def tau_rows(eval_files: list[Path]) -> list[dict[str, Any]]:
         s = r["summary"]
         d = r.get("drafter", {})
         rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
-                     "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": d.get("tree_source") or d.get("tree_kind") or d.get("tree"),
+                     "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": str(d.get("tree_source") or d.get("tree_kind") or d.get("tree")) + branch_note(d),
                      "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
                      "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
                      "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),

@@ -145,21 +145,27 @@ def test_tree_table_counts_ranks_hazard_style():
 # ------------------------------------------------------------------------------------------ knobs
 
 def test_null_knobs_are_free_and_explicit_ones_win():
-    tree = {"select": "auto", "kind": "auto", "top_k": None, "depth": 4, "nodes": None, "size": None, "paths": None}
+    tree = {"select": "auto", "kind": "auto", "top_k": None, "depth": 4, "nodes": None, "size": None, "paths": None,
+            "lookup_branch": 0}
     base = {"lookup_tokens": None, "draft_tokens": 3}
     assert free_knobs("eagle", tree, base) == ["top_k", "nodes"]
     assert free_knobs("medusa", tree, base) == ["size"]
     assert free_knobs("medusa", {**tree, "size": 16}, base) == []
     assert free_knobs("medusa", {**tree, "paths": [[0]]}, base) == []
     assert free_knobs("eagle3", {**tree, "kind": "chain", "depth": None}, base) == ["depth"]
+    # a trained head's lookup branch is chosen too when null; baselines never get one
+    assert free_knobs("medusa", {**tree, "size": 16, "lookup_branch": None}, base) == ["lookup_branch"]
+    assert free_knobs("eagle", {**tree, "lookup_branch": None}, base) == ["top_k", "nodes", "lookup_branch"]
+    assert free_knobs("prompt_lookup", {**tree, "lookup_branch": None}, base) == ["lookup_tokens"]
     assert free_knobs("prompt_lookup", tree, base) == ["lookup_tokens"] and free_knobs("draft_model", tree, base) == []
     assert free_knobs("plain", tree, base) == [] and free_knobs("medusa", {**tree, "select": "default"}, base) == []
     t, b = fill_defaults("eagle", tree, base, {"top_k": 3})
     assert (t["top_k"], t["depth"], t["nodes"], t["size"], b["lookup_tokens"], b["draft_tokens"]) == (3, 4, 60, 64, 10, 3)
+    assert fill_defaults("eagle", {**tree, "lookup_branch": None}, base)[0]["lookup_branch"] == 0  # default: off
 
 
 @pytest.mark.parametrize("key,value", [("nodes", 0), ("top_k", -1), ("depth", 0), ("size", 1), ("nodes", "many"),
-                                       ("depth", 2.5), ("size", True)])
+                                       ("depth", 2.5), ("size", True), ("lookup_branch", -1)])
 def test_zero_negative_and_non_integer_knobs_are_errors(key, value):
     tree = {"select": "auto", key: value}
     with pytest.raises(ValueError, match=rf"tree\.{key}="):
@@ -258,19 +264,31 @@ def test_acceptance_job_chooses_the_tree_and_reports_model_vs_measurement(tiny_t
                                                "untrained_heads=2")))
     c = res["tree_choice"]
     assert res["drafter"]["tree_select"] == "auto" and res["drafter"]["tree_source"] == "auto"
-    assert c["free"] == ["size"] and 2 <= c["chosen"]["size"] <= 64
+    assert c["free"] == ["size", "lookup_branch"] and 2 <= c["chosen"]["size"] <= 64
+    lb = c["lookup_branch"]  # the branch measured on top of the chosen head tree, the best modeled one kept
+    assert lb["lengths"] == [0, 3, 6, 10]
+    heads = 1 + (c["narrow"] is not None)  # the head's best tree, and the best of <= 8 nodes when that differs
+    assert [r["lookup_branch"] for r in lb["rows"]] == lb["lengths"] * heads
+    assert [r["size"] for r in lb["rows"][:4]] == [c["head_only"]["size"]] * 4
+    if c["narrow"]:
+        assert [r["size"] for r in lb["rows"][4:]] == [c["narrow"]["size"]] * 4 and c["narrow"]["size"] <= 8
+    assert c["chosen"] == max(lb["rows"], key=lambda r: r["modeled_speedup"])
+    assert res["drafter"].get("lookup_branch", 0) == c["chosen"]["lookup_branch"]
     assert res["drafter"]["tree_size"] == c["chosen"]["size"] == len(c["paths"]) + 1
     assert max(len(p) for p in c["paths"]) <= 2  # two heads
-    assert c["chosen"]["modeled_speedup"] >= max(r["modeled_speedup"] for r in c["runners_up"])
+    assert c["head_only"]["modeled_speedup"] >= max(r["modeled_speedup"] for r in c["runners_up"])
     assert c["chosen"]["expected_tokens"] >= 1.0 and c["calibration"]["steps"] > 0
     assert c["measured_over_modeled"] == pytest.approx(c["measured_speedup"] / c["chosen"]["modeled_speedup"], rel=1e-3)
     assert not set(c["calibration"]["questions"]) & {r["question_id"] for r in res["rows"]}  # never the eval questions
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"]  # fp32: exact whatever the tree
     assert json.loads((tmp_path / "eval.json").read_text())["tree_choice"]["chosen"] == c["chosen"]
     assert c["profile"]["cache"]["path"].startswith(str(cache_env))
-    # an explicit tree.size wins: no calibration at all
+    # an explicit tree.size wins (only the branch is chosen); with tree.lookup_branch too, no calibration at all
     res = main(compose("eval", _eval_overrides(tiny_target_dir, chat_file, tmp_path, "drafter=medusa-init",
                                                "untrained_heads=2", "tree.size=5")))
+    assert res["tree_choice"]["free"] == ["lookup_branch"] and res["drafter"]["tree_size"] == 5
+    res = main(compose("eval", _eval_overrides(tiny_target_dir, chat_file, tmp_path, "drafter=medusa-init",
+                                               "untrained_heads=2", "tree.size=5", "tree.lookup_branch=0")))
     assert "tree_choice" not in res and res["drafter"]["tree_size"] == 5
 
 
@@ -293,7 +311,7 @@ def test_acceptance_job_chooses_chains_and_dynamic_trees(tiny_target_dir, chat_f
     c = res["tree_choice"]
     assert knob in c["chosen"] and c["chosen"][knob] >= 1
     if drafter == "eagle":
-        assert c["free"] == ["top_k", "nodes"] and c["chosen"]["depth"] == 3 and res["drafter"]["tree_depth"] == 3
+        assert c["free"] == ["top_k", "nodes", "lookup_branch"] and c["chosen"]["depth"] == 3 and res["drafter"]["tree_depth"] == 3
         assert res["drafter"]["tree_size"] == c["chosen"]["nodes"] + 1 and res["drafter"]["tree_top_k"] == c["chosen"]["top_k"]
         assert len(c["table"]) == 3 and all(t["draft_ms"] >= 0 for t in c["timings"])
     else:
