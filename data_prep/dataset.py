@@ -19,12 +19,12 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from data_prep.sources import (SPLIT_BY, Conversation, dedupe_conversations, load_conversations, prompt_key,
+from draftheads.data_prep.sources import (SPLIT_BY, Conversation, dedupe_conversations, load_conversations, prompt_key,
                                sharegpt_path, split_conversations)
-from data_prep.template import TemplateError, ensure_chat_template, tokenize_conversation
-from heads.checkpoint import atomic_dir
-from heads.schema import DataConfig  # noqa: F401  (the data group's schema; imported from here by callers)
-from heads.target import cache_root
+from draftheads.data_prep.template import TemplateError, ensure_chat_template, tokenize_conversation
+from draftheads.heads.checkpoint import atomic_dir
+from draftheads.heads.schema import DataConfig  # noqa: F401  (the data group's schema; imported from here by callers)
+from draftheads.heads.target import cache_root
 
 log = logging.getLogger(__name__)
 

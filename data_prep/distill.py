@@ -33,14 +33,14 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from data_prep.dataset import DataConfig
-from data_prep.fastgen import SlotDecoder, common_prefix, describe, sample_next, supports
-from data_prep.prompt_kinds import kind_counts
-from data_prep.sources import Conversation, conversation_key, load_conversations, split_conversations
-from data_prep.template import ensure_chat_template, prompt_ids
-from heads import job
-from heads.checkpoint import atomic_write_text
-from heads.target import load_target, resolve_device
+from draftheads.data_prep.dataset import DataConfig
+from draftheads.data_prep.fastgen import SlotDecoder, common_prefix, describe, sample_next, supports
+from draftheads.data_prep.prompt_kinds import kind_counts
+from draftheads.data_prep.sources import Conversation, conversation_key, load_conversations, split_conversations
+from draftheads.data_prep.template import ensure_chat_template, prompt_ids
+from draftheads.heads import job
+from draftheads.heads.checkpoint import atomic_write_text
+from draftheads.heads.target import load_target, resolve_device
 
 log = logging.getLogger(__name__)
 

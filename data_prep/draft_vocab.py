@@ -42,9 +42,9 @@ def count_assistant_tokens(dataset: Any, vocab_size: int) -> np.ndarray:
 
 def _reference_cache_file(source: str, tokenizer: Any, vocab_size: int) -> Path | None:
     """Where the counts of ``source`` are cached; None when it is not an existing file (the loader then says why)."""
-    from data_prep.dataset import file_identity, tokenizer_fingerprint
-    from data_prep.sources import sharegpt_path
-    from heads.target import cache_root
+    from draftheads.data_prep.dataset import file_identity, tokenizer_fingerprint
+    from draftheads.data_prep.sources import sharegpt_path
+    from draftheads.heads.target import cache_root
 
     path = Path(sharegpt_path() if source == "sharegpt" else os.path.expanduser(source))
     if not path.is_file():
@@ -58,7 +58,7 @@ def count_reference_tokens(source: str, tokenizer: Any, vocab_size: int, batch: 
     """[V] int64 counts of the tokens of every assistant message of a conversations corpus (content only, no
     chat template: the template's tokens are in the training counts already). ``source``: "sharegpt" (the
     embedded file) or a path that data_prep.sources reads. Cached (see the module docstring)."""
-    from heads.checkpoint import atomic_write_text
+    from draftheads.heads.checkpoint import atomic_write_text
 
     cached = _reference_cache_file(source, tokenizer, vocab_size)
     if cached is not None and cached.is_file():
@@ -74,7 +74,7 @@ def count_reference_tokens(source: str, tokenizer: Any, vocab_size: int, batch: 
 
 
 def _count_reference_tokens(source: str, tokenizer: Any, vocab_size: int, batch: int) -> np.ndarray:
-    from data_prep.sources import load_conversations  # the loader's own errors name file, record and field
+    from draftheads.data_prep.sources import load_conversations  # the loader's own errors name file, record and field
 
     try:
         convs, _ = load_conversations(source)

@@ -37,10 +37,10 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from data_prep.dataset import PreparedData, collate, model_inputs, prepare_data
-from heads import job
-from heads.checkpoint import atomic_write_text, save_safetensors
-from heads.target import DTYPE_NAMES, FrozenTarget, check_identity, load_target, parse_dtype, resolve_device
+from draftheads.data_prep.dataset import PreparedData, collate, model_inputs, prepare_data
+from draftheads.heads import job
+from draftheads.heads.checkpoint import atomic_write_text, save_safetensors
+from draftheads.heads.target import DTYPE_NAMES, FrozenTarget, check_identity, load_target, parse_dtype, resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from data_prep.dataset import prepare_data
-from heads import job
-from heads.target import TargetConfig
+from draftheads.data_prep.dataset import prepare_data
+from draftheads.heads import job
+from draftheads.heads.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def main(cfg: DictConfig) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from heads.target import resolve_target
+    from draftheads.heads.target import resolve_target
 
     # Only the tokenizer is needed: resolve the target's directory without loading its weights.
     tcfg = TargetConfig(**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__})

@@ -13,20 +13,20 @@ import os
 import sys
 from pathlib import Path
 
-from heads import registry
+from draftheads.heads import registry
 
 # subcommand -> (module of the entry file, one line for --help)
 JOBS: dict[str, tuple[str, str]] = {
-    "prepare": ("data_prep.prepare", "conversations -> split, chat template, loss masks -> Arrow cache"),
-    "distill": ("data_prep.distill", "the frozen target rewrites assistant turns (self-distillation)"),
-    "features": ("data_prep.features", "capture target hidden states once for offline training"),
-    "eval": ("eval.acceptance", "speculative decoding with one head: tau, acceptance by depth, identity"),
-    "measure": ("eval.measure", "every method side by side: tau, tokens/s, latency profile, speedup"),
-    "exactness": ("eval.exactness", "chi-square/TV check of the exact verification rule"),
-    "export": ("scripts.export", "EAGLE-3 export for vLLM speculators / SGLang"),
-    "publish": ("scripts.publish", "a Hub-layout folder with model card and tau table"),
+    "prepare": ("draftheads.data_prep.prepare", "conversations -> split, chat template, loss masks -> Arrow cache"),
+    "distill": ("draftheads.data_prep.distill", "the frozen target rewrites assistant turns (self-distillation)"),
+    "features": ("draftheads.data_prep.features", "capture target hidden states once for offline training"),
+    "eval": ("draftheads.eval.acceptance", "speculative decoding with one head: tau, acceptance by depth, identity"),
+    "measure": ("draftheads.eval.measure", "every method side by side: tau, tokens/s, latency profile, speedup"),
+    "exactness": ("draftheads.eval.exactness", "chi-square/TV check of the exact verification rule"),
+    "export": ("draftheads.scripts.export", "EAGLE-3 export for vLLM speculators / SGLang"),
+    "publish": ("draftheads.scripts.publish", "a Hub-layout folder with model card and tau table"),
 }
-COMPARE = ("scripts", "compare_families.sh", "distill, train all three families, measure them in one run")
+COMPARE = ("draftheads.scripts", "compare_families.sh", "distill, train all three families, measure them in one run")
 
 
 def usage() -> str:

@@ -18,18 +18,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from data_prep.dataset import prepare_data
-from data_prep.template import ensure_chat_template, prompt_ids
-from eval.autotree import configure, ratio, tree_label
-from eval.calibration import Calibration, heldout_calibration
-from eval.drafters import build_drafter, checkpoint_family
-from eval.generate import GenResult, NoDrafter, generate
-from eval.latency import cached_latency_profile
-from eval.questions import check_eval_limits, load_questions
-from eval.tau import tau_value
-from heads import job
-from heads.checkpoint import atomic_write_text
-from heads.target import dtype_name, load_target, resolve_device
+from draftheads.data_prep.dataset import prepare_data
+from draftheads.data_prep.template import ensure_chat_template, prompt_ids
+from draftheads.eval.autotree import configure, ratio, tree_label
+from draftheads.eval.calibration import Calibration, heldout_calibration
+from draftheads.eval.drafters import build_drafter, checkpoint_family
+from draftheads.eval.generate import GenResult, NoDrafter, generate
+from draftheads.eval.latency import cached_latency_profile
+from draftheads.eval.questions import check_eval_limits, load_questions
+from draftheads.eval.tau import tau_value
+from draftheads.heads import job
+from draftheads.heads.checkpoint import atomic_write_text
+from draftheads.heads.target import dtype_name, load_target, resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder, acceptance_table, time_drafters
-from eval.generate import NoDrafter, generate
-from eval.latency import monotone, t_verify_ms
-from eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
-from heads import registry
+from draftheads.eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder, acceptance_table, time_drafters
+from draftheads.eval.generate import NoDrafter, generate
+from draftheads.eval.latency import monotone, t_verify_ms
+from draftheads.eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
+from draftheads.heads import registry
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from eval.generate import DraftTree, crop_cache
-from eval.verify import apply_sampling
-from heads.target import FrozenTarget, TargetConfig, dtype_name, load_target
+from draftheads.eval.generate import DraftTree, crop_cache
+from draftheads.eval.verify import apply_sampling
+from draftheads.heads.target import FrozenTarget, TargetConfig, dtype_name, load_target
 
 SELF_PREFIX = "self:"  # draft_model=self:<n>: the target's own first n layers (+ final norm and lm_head)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from eval.generate import generate
+from draftheads.eval.generate import generate
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +229,9 @@ def _book_line(timings: Sequence[Timing]) -> Callable[[float], float]:
 def heldout_calibration(cfg: Any, target: Any, qfile: str | Path, questions: list[dict[str, Any]],
                         ) -> tuple[list[dict[str, Any]], Calibration]:
     """Calibration prompts from ``cfg.data``'s held-out split, disjoint from the measured ``questions``."""
-    from data_prep.dataset import prepare_data
-    from data_prep.template import prompt_ids
-    from eval.questions import load_questions
+    from draftheads.data_prep.dataset import prepare_data
+    from draftheads.data_prep.template import prompt_ids
+    from draftheads.eval.questions import load_questions
 
     hfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
     heldout = load_questions(hfile) if Path(hfile).read_text().strip() else []  # empty: calibration_split says what to do

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from eval.draft_logits import ScreenedTopK, screening_available
-from eval.generate import DraftTree, NoDrafter
-from eval.trees import StaticTree, ancestor_mask, default_tree, generic_accuracies, static_tree
-from heads import registry
-from heads.checkpoint import read_head
-from heads.medusa import MedusaHeads, medusa_config_for
-from heads.target import FrozenTarget
+from draftheads.eval.draft_logits import ScreenedTopK, screening_available
+from draftheads.eval.generate import DraftTree, NoDrafter
+from draftheads.eval.trees import StaticTree, ancestor_mask, default_tree, generic_accuracies, static_tree
+from draftheads.heads import registry
+from draftheads.heads.checkpoint import read_head
+from draftheads.heads.medusa import MedusaHeads, medusa_config_for
+from draftheads.heads.target import FrozenTarget
 
 
 class MedusaDrafter:
@@ -90,7 +90,7 @@ def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: A
     if kind == "plain":
         return NoDrafter(), {"drafter": "plain"}
     if kind in ("prompt_lookup", "draft_model"):
-        from eval.baselines import build_baseline_drafter
+        from draftheads.eval.baselines import build_baseline_drafter
 
         return build_baseline_drafter(kind, target, baselines, dtype)
     if kind == "medusa-init":  # identity-initialized heads: the untrained reference, not a family
@@ -108,12 +108,12 @@ def with_lookup_branch(drafter: Any, desc: dict[str, Any], tree_cfg: Any, baseli
     """Merge up to ``tree.lookup_branch`` prompt-lookup tokens into a head's tree (eval/lookup_branch.py); 0/null: off.
 
     The n-gram lengths are the prompt-lookup baseline's (``baselines.lookup_max_ngram``/``lookup_min_ngram``)."""
-    from heads.job import config_int
+    from draftheads.heads.job import config_int
 
     n = config_int(tree_cfg, "lookup_branch", 0, 0, "tree")
     if not n:
         return drafter, desc
-    from eval.lookup_branch import LookupBranch
+    from draftheads.eval.lookup_branch import LookupBranch
 
     b = baselines or {}
     hi, lo = int(b.get("lookup_max_ngram") or 3), int(b.get("lookup_min_ngram") or 1)
@@ -144,7 +144,7 @@ def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[Stat
     """Custom paths if given; else tuned to the checkpoint's measured accuracies; else a generic default."""
     if tree_cfg.get("paths"):
         return static_tree(tree_cfg.paths), "custom"
-    from heads.job import config_int  # null = every head; 0 is an error, not "every head"
+    from draftheads.heads.job import config_int  # null = every head; 0 is an error, not "every head"
 
     depth = min(num_heads, config_int(tree_cfg, "max_depth", num_heads, 1, "tree"))
     if rank_accuracy is not None and tree_cfg.get("tuned", True):

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from eval.eagle_drafter import EagleDrafter, EagleTreeConfig
-from heads.eagle3 import Eagle3Draft
-from heads.target import FrozenTarget
+from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig
+from draftheads.heads.eagle3 import Eagle3Draft
+from draftheads.heads.target import FrozenTarget
 
 
 class Eagle3Drafter(EagleDrafter):

@@ -22,12 +22,12 @@ from typing import Any, Sequence
 
 import torch
 
-from eval.draft_cache import DraftKVCache
-from eval.draft_logits import ScreenedTopK, screening_available
-from eval.generate import DraftTree
-from eval.trees import StaticTree, ancestor_mask, chain, default_tree, dynamic_tree, static_tree
-from heads.eagle import EagleDraft
-from heads.target import FrozenTarget
+from draftheads.eval.draft_cache import DraftKVCache
+from draftheads.eval.draft_logits import ScreenedTopK, screening_available
+from draftheads.eval.generate import DraftTree
+from draftheads.eval.trees import StaticTree, ancestor_mask, chain, default_tree, dynamic_tree, static_tree
+from draftheads.heads.eagle import EagleDraft
+from draftheads.heads.target import FrozenTarget
 
 TREE_KINDS = ("dynamic", "static", "chain")
 
@@ -49,7 +49,7 @@ class EagleTreeConfig:
         kind = "dynamic" if kind == "auto" else kind
         if kind not in TREE_KINDS:
             raise ValueError(f"tree.kind must be auto, {', '.join(TREE_KINDS)} for EAGLE, got {kind!r}")
-        from heads.job import config_int  # null = the default; 0 is an error, not the default
+        from draftheads.heads.job import config_int  # null = the default; 0 is an error, not the default
 
         out = cls(kind=kind, top_k=config_int(cfg, "top_k", 10, 1, "tree"),
                   depth=config_int(cfg, "depth", 6, 1, "tree"), nodes=config_int(cfg, "nodes", 60, 1, "tree"),

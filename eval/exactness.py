@@ -32,8 +32,8 @@ import torch
 from omegaconf import DictConfig
 from scipy import stats
 
-from eval.verify import _prob_row, _sample, _uniforms, tree_children, verify_tree
-from heads import job
+from draftheads.eval.verify import _prob_row, _sample, _uniforms, tree_children, verify_tree
+from draftheads.heads import job
 
 VerifyFn = Callable[..., tuple[list[int], int]]
 

@@ -18,9 +18,9 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from eval.trees import ancestor_mask, depths_of
-from eval.verify import apply_sampling, verify_tree
-from heads.target import FrozenTarget
+from draftheads.eval.trees import ancestor_mask, depths_of
+from draftheads.eval.verify import apply_sampling, verify_tree
+from draftheads.heads.target import FrozenTarget
 
 
 @dataclass

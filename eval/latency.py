@@ -20,9 +20,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from eval.generate import _clock, crop_cache, tree_forward
-from heads.checkpoint import atomic_write_text
-from heads.target import FrozenTarget, cache_root, dtype_name
+from draftheads.eval.generate import _clock, crop_cache, tree_forward
+from draftheads.heads.checkpoint import atomic_write_text
+from draftheads.heads.target import FrozenTarget, cache_root, dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import torch
 
-from eval.baselines import PromptLookupDrafter
-from eval.generate import DraftTree, first_choice_chain
-from eval.trees import ancestor_mask, depths_of
+from draftheads.eval.baselines import PromptLookupDrafter
+from draftheads.eval.generate import DraftTree, first_choice_chain
+from draftheads.eval.trees import ancestor_mask, depths_of
 
 
 def merge_chain(tokens: torch.Tensor, parents: torch.Tensor, chain: Sequence[int],

@@ -39,19 +39,19 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data_prep.template import ensure_chat_template, prompt_ids
-from eval.acceptance import first_divergence
-from eval.autotree import MAX_WIDTH, configure, family_of, ratio
-from eval.calibration import Calibration, heldout_calibration
-from eval.baselines import DraftModelDrafter
-from eval.drafters import build_drafter, checkpoint_family
-from eval.generate import GenResult, NoDrafter, _clock, generate
-from eval.latency import cached_latency_profile, latency_profile, profile_key, store_profile, t_verify_ms
-from eval.questions import check_eval_limits, load_questions
-from heads import job, registry
-from heads.checkpoint import atomic_write_text
-from eval.tau import paired_forwards, tau
-from heads.target import FrozenTarget, dtype_name, load_target, resolve_device
+from draftheads.data_prep.template import ensure_chat_template, prompt_ids
+from draftheads.eval.acceptance import first_divergence
+from draftheads.eval.autotree import MAX_WIDTH, configure, family_of, ratio
+from draftheads.eval.calibration import Calibration, heldout_calibration
+from draftheads.eval.baselines import DraftModelDrafter
+from draftheads.eval.drafters import build_drafter, checkpoint_family
+from draftheads.eval.generate import GenResult, NoDrafter, _clock, generate
+from draftheads.eval.latency import cached_latency_profile, latency_profile, profile_key, store_profile, t_verify_ms
+from draftheads.eval.questions import check_eval_limits, load_questions
+from draftheads.heads import job, registry
+from draftheads.heads.checkpoint import atomic_write_text
+from draftheads.eval.tau import paired_forwards, tau
+from draftheads.heads.target import FrozenTarget, dtype_name, load_target, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +472,7 @@ def _questions(cfg: DictConfig, target: FrozenTarget) -> tuple[Path, list[dict[s
     if cfg.questions:
         qfile = Path(cfg.questions)
     else:  # the held-out split of the configured data (prepared on demand, cached)
-        from data_prep.dataset import prepare_data
+        from draftheads.data_prep.dataset import prepare_data
 
         qfile = prepare_data(cfg.data, target.tokenizer).heldout_questions
     return qfile, load_questions(qfile, cfg.max_questions, cfg.get("per_category"))
@@ -589,7 +589,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     }
     out_dir = Path(cfg.out_dir)
     atomic_write_text(out_dir / "results.json", json.dumps(result, indent=1, default=_json_default))
-    from eval.report import write_report
+    from draftheads.eval.report import write_report
 
     files = write_report(result, out_dir)
     print(files["markdown_text"])

@@ -61,7 +61,7 @@ def check_eval_limits(cfg: Any, target: Any) -> None:
     null): longer prompts are then skipped and counted like any other over-long prompt."""
     import logging
 
-    from heads.job import config_int
+    from draftheads.heads.job import config_int
 
     config_int(cfg, "max_new_tokens", None, 1)
     config_int(cfg, "max_turns", None, 1)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from heads.checkpoint import atomic_write_bytes, atomic_write_text
+from draftheads.heads.checkpoint import atomic_write_bytes, atomic_write_text
 
 LOOKUP = ("prompt_lookup", "hf_prompt_lookup")
 
@@ -156,7 +156,7 @@ def tree_choice_section(choices: dict[str, Any]) -> list[str]:
     """tree=auto per method: the chosen tree, the modeled and the measured speedup, and their ratio."""
     if not choices:
         return []
-    from eval.autotree import tree_label
+    from draftheads.eval.autotree import tree_label
 
     any_c = next(iter(choices.values()))
     cal = any_c["calibration"]
@@ -301,6 +301,6 @@ def _cli(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from heads import job
+    from draftheads.heads import job
 
     job.cli(_cli, sys.argv[1:])

@@ -1,1 +1,1 @@
-from heads import schema as _schema  # noqa: F401  registers the typed config schemas (heads/schema.py)
+from draftheads.heads import schema as _schema  # noqa: F401  registers the typed config schemas (heads/schema.py)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads.checkpoint import read_head, save_head
-from heads.target import FrozenTarget, TargetIdentity, check_identity
+from draftheads.heads.checkpoint import read_head, save_head
+from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "eagle"
 

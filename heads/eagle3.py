@@ -33,9 +33,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from heads.checkpoint import read_head, save_head
-from heads.eagle import _base, _layer_fields, attention_bias, draft_layer_config
-from heads.target import FrozenTarget, TargetIdentity, check_identity
+from draftheads.heads.checkpoint import read_head, save_head
+from draftheads.heads.eagle import _base, _layer_fields, attention_bias, draft_layer_config
+from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "eagle3"
 DEFAULT_DRAFT_VOCAB = 32000

@@ -96,7 +96,7 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
         def task_guarded(cfg: Any) -> Any:
             nonlocal started
             started = True
-            from heads.schema import check
+            from draftheads.heads.schema import check
 
             def checked(cfg: Any) -> Any:
                 check(cfg)  # choices of the shared groups, before anything loads

@@ -47,9 +47,9 @@ def get(name: str) -> Family:
     return FAMILIES[name]
 
 
-register(Family("medusa", "heads.medusa:MedusaHeads", "eval.drafters:build_medusa_drafter", "train.medusa", "static",
+register(Family("medusa", "draftheads.heads.medusa:MedusaHeads", "draftheads.eval.drafters:build_medusa_drafter", "draftheads.train.medusa", "static",
                 "Medusa heads: one head per future position, a static tree"))
-register(Family("eagle", "heads.eagle:EagleDraft", "eval.eagle_drafter:build_eagle_drafter", "train.eagle", "dynamic",
+register(Family("eagle", "draftheads.heads.eagle:EagleDraft", "draftheads.eval.eagle_drafter:build_eagle_drafter", "draftheads.train.eagle", "dynamic",
                 "EAGLE: a one-layer feature draft, dynamic tree"))
-register(Family("eagle3", "heads.eagle3:Eagle3Draft", "eval.eagle3_drafter:build_eagle3_drafter", "train.eagle3",
+register(Family("eagle3", "draftheads.heads.eagle3:Eagle3Draft", "draftheads.eval.eagle3_drafter:build_eagle3_drafter", "draftheads.train.eagle3",
                 "dynamic", "EAGLE-3: fused low/mid/high features, training-time test, draft vocabulary"))

@@ -197,7 +197,7 @@ def resolve_embedded(name: str) -> tuple[Path, str]:
         model.config._name_or_path = EMBEDDED_TARGETS[name][2]
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        from heads.checkpoint import _umask
+        from draftheads.heads.checkpoint import _umask
 
         for f in tmp.iterdir():  # the safetensors writer makes 0600 files; the cache follows the umask
             os.chmod(f, 0o666 & ~_umask())

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from omegaconf import OmegaConf, open_dict
 
-from eval.acceptance import main as eval_main
+from draftheads.eval.acceptance import main as eval_main
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 

@@ -20,12 +20,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from data_prep.template import ensure_chat_template
-from eval.acceptance import run_questions, summarize
-from eval.autotree import fill_defaults
-from eval.drafters import build_drafter, checkpoint_family
-from eval.questions import load_questions
-from heads.schema import TreeConfig
+from draftheads.data_prep.template import ensure_chat_template
+from draftheads.eval.acceptance import run_questions, summarize
+from draftheads.eval.autotree import fill_defaults
+from draftheads.eval.drafters import build_drafter, checkpoint_family
+from draftheads.eval.questions import load_questions
+from draftheads.heads.schema import TreeConfig
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,14 +22,13 @@ from types import SimpleNamespace
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from data_prep.distill import generate_batch  # noqa: E402
-from data_prep.sources import load_conversations  # noqa: E402
-from data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
-from heads import job  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.target import TargetConfig, dtype_name, load_target, parse_dtype, resolve_device  # noqa: E402
+from draftheads.data_prep.distill import generate_batch  # noqa: E402
+from draftheads.data_prep.sources import load_conversations  # noqa: E402
+from draftheads.data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.target import TargetConfig, dtype_name, load_target, parse_dtype, resolve_device  # noqa: E402
 
 
 def first_turn_prompts(tokenizer, n: int, max_tokens: int) -> list[list[int]]:

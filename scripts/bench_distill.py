@@ -19,21 +19,19 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from data_prep.distill import read_done, run_hf, run_slots, select_prompts  # noqa: E402
-from data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, resolve_device  # noqa: E402
+from draftheads.data_prep.distill import read_done, run_hf, run_slots, select_prompts  # noqa: E402
+from draftheads.data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, resolve_device  # noqa: E402
 
 
 def cpu_facts() -> dict:
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def profile_decode(target, todo, cfg, steps: int) -> list[dict]:
     """Top ops by self CPU time over ``steps`` decode steps of a full slot batch (prefill excluded)."""
-    from data_prep.fastgen import SlotDecoder
+    from draftheads.data_prep.fastgen import SlotDecoder
 
     tok = target.tokenizer
     n = min(int(cfg.batch_size), len(todo))

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,17 +36,16 @@ import torch
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from eval.eagle3_drafter import Eagle3Drafter  # noqa: E402
-from eval.eagle_drafter import EagleDrafter, EagleTreeConfig  # noqa: E402
-from eval.drafters import MedusaDrafter, medusa_tree  # noqa: E402
-from eval.generate import NoDrafter, generate  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.eagle import EagleDraft, eagle_config_for  # noqa: E402
-from heads.eagle3 import Eagle3Draft, eagle3_config_for  # noqa: E402
-from heads.medusa import MedusaHeads, medusa_config_for  # noqa: E402
-from heads.target import FrozenTarget, TargetConfig, dtype_name, load_target, parse_dtype, resolve_device  # noqa: E402
+from draftheads.eval.eagle3_drafter import Eagle3Drafter  # noqa: E402
+from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig  # noqa: E402
+from draftheads.eval.drafters import MedusaDrafter, medusa_tree  # noqa: E402
+from draftheads.eval.generate import NoDrafter, generate  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.eagle import EagleDraft, eagle_config_for  # noqa: E402
+from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for  # noqa: E402
+from draftheads.heads.medusa import MedusaHeads, medusa_config_for  # noqa: E402
+from draftheads.heads.target import FrozenTarget, TargetConfig, dtype_name, load_target, parse_dtype, resolve_device  # noqa: E402
 
 DEFAULT_CONFIGS = ("medusa:16,medusa:64,medusa-shared:16,medusa-shared:64,"
                    "eagle:dynamic:16,eagle:dynamic:32,eagle:dynamic:61,eagle:chain:6,"
@@ -111,8 +109,8 @@ def make_drafter(c: dict[str, Any], target: FrozenTarget, dtype: torch.dtype, ck
 
 def bench_prompt(target: FrozenTarget, context: int) -> list[int]:
     """The first embedded ShareGPT first turn, chat-templated, whose prompt reaches ``context`` tokens (cut there)."""
-    from data_prep.sources import load_conversations
-    from data_prep.template import ensure_chat_template, prompt_ids
+    from draftheads.data_prep.sources import load_conversations
+    from draftheads.data_prep.template import ensure_chat_template, prompt_ids
 
     ensure_chat_template(target.tokenizer, None)
     convs, _ = load_conversations("sharegpt", None, 2000)
@@ -134,7 +132,7 @@ def per_step(res: Any) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     if args.clock == "cpu":  # this thread's CPU time: on an oversubscribed host wall time counts other jobs' turns
-        import eval.generate as gen
+        import draftheads.eval.generate as gen
 
         gen._clock = lambda dev: time.thread_time()
     device = resolve_device(args.device)

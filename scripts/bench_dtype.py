@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from heads import job  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, parse_dtype  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, parse_dtype  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16)
 

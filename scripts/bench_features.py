@@ -29,13 +29,12 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from data_prep.dataset import collate, model_inputs, prepare_data  # noqa: E402
-from data_prep.features import main as features_main, resolve_layers, shard_batches  # noqa: E402
-from heads import job  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.target import dtype_name, load_target, parse_dtype  # noqa: E402
+from draftheads.data_prep.dataset import collate, model_inputs, prepare_data  # noqa: E402
+from draftheads.data_prep.features import main as features_main, resolve_layers, shard_batches  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.target import dtype_name, load_target, parse_dtype  # noqa: E402
 
 
 def compose(name: str, overrides: list[str]):
@@ -49,7 +48,7 @@ def make_tiny_target(root: Path) -> Path:
     """A random 4-layer Llama (hidden 256) with the embedded SmolLM2 tokenizer and chat template."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from heads.target import resolve_embedded
+    from draftheads.heads.target import resolve_embedded
 
     src, _ = resolve_embedded("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(src)
@@ -87,7 +86,7 @@ def interleaved_capture_vs_bare(target, ds, lengths, shards, batch_size: int, pa
     """Batch by batch, alternating which goes first: the bare decoder forward, then the capture path
     (collate + forward with hooks + unpad/copy to CPU in the cache dtype), plus each shard's write. Both
     see the same machine load, so the ratio is robust to a noisy shared machine."""
-    from data_prep.features import capture_batch, write_shard
+    from draftheads.data_prep.features import capture_batch, write_shard
 
     base = target.model.get_decoder()
     t_bare = t_cap = t_write = 0.0
@@ -162,7 +161,7 @@ def main() -> None:
     data = prepare_data(fcfg.data, target.tokenizer)
     ds = data.train
     lengths = [len(x) for x in ds["input_ids"]]
-    from data_prep.features import plan_shards
+    from draftheads.data_prep.features import plan_shards
 
     shards = plan_shards(len(ds), int(fcfg.rows_per_shard))
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0

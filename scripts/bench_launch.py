@@ -146,7 +146,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from heads import job
+    from draftheads.heads import job
 
     job.cli(main)

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 def bench_prepare(max_conversations: int) -> dict:
     from transformers import AutoTokenizer
 
-    from data_prep.dataset import DataConfig, prepare_data
-    from heads.target import TargetConfig, resolve_target
+    from draftheads.data_prep.dataset import DataConfig, prepare_data
+    from draftheads.heads.target import TargetConfig, resolve_target
 
     path, _ = resolve_target(TargetConfig())
     tok = AutoTokenizer.from_pretrained(path)
@@ -52,7 +52,7 @@ def bench_train(steps: int, batch: int, share: bool, max_length: int) -> dict:
 import json, resource, sys
 sys.argv = ['x']
 from hydra import compose, initialize_config_dir
-from train.medusa import main
+from draftheads.train.medusa import main
 with initialize_config_dir(config_dir={str(REPO / 'conf')!r}, version_base=None):
     cfg = compose('medusa', ['data=sharegpt_small', 'data.max_length={max_length}', 'out_dir={out}',
                              'logging.wandb=disabled', 'train.max_steps={steps}', 'train.batch_size={batch}',
@@ -90,7 +90,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from heads import job
+    from draftheads.heads import job
 
     job.cli(main)

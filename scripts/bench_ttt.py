@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from heads import job  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.eagle3 import Eagle3Draft, eagle3_config_for  # noqa: E402
-from heads.target import from_model  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for  # noqa: E402
+from draftheads.heads.target import from_model  # noqa: E402
 
 
 def _rss_mb(field: str) -> float:

@@ -48,7 +48,6 @@ def table(paths: list[str], markdown: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from heads import job
+    from draftheads.heads import job
 
     job.cli(lambda: print(table([a for a in sys.argv[1:] if a != "--md"], markdown="--md" in sys.argv)))

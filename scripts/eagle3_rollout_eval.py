@@ -19,13 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from heads import job  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from train.eagle3 import build  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.train.eagle3 import build  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,13 +40,11 @@ from omegaconf import DictConfig
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python scripts/export.py` from the repo root
-    sys.path.insert(0, str(REPO))
 
-from heads import job  # noqa: E402
-from heads.checkpoint import atomic_dir, save_safetensors  # noqa: E402
-from heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
-from heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads.checkpoint import atomic_dir, save_safetensors  # noqa: E402
+from draftheads.heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
+from draftheads.heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
 
 log = logging.getLogger(__name__)
 

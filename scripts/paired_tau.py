@@ -21,10 +21,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from heads import job  # noqa: E402
-from eval.tau import paired_forwards  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.eval.tau import paired_forwards  # noqa: E402
 
 
 def load_rows(spec: str) -> tuple[str, dict[tuple, dict[str, Any]]]:

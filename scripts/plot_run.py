@@ -9,16 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python scripts/plot_run.py` from the repo root
-    sys.path.insert(0, str(REPO))
 
-from heads import job  # noqa: E402
-from train.reporting import ReportMixin  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.train.reporting import ReportMixin  # noqa: E402
 
 
 def plot_run(run: Path, out: Path | None = None) -> Path:

@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from heads import job  # noqa: E402
-from eval.measure import depth_stats  # noqa: E402
-from eval.report import save_png  # noqa: E402
-from eval.tau import tau  # noqa: E402
-from scripts.paired_tau import load_rows  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.eval.measure import depth_stats  # noqa: E402
+from draftheads.eval.report import save_png  # noqa: E402
+from draftheads.eval.tau import tau  # noqa: E402
+from draftheads.scripts.paired_tau import load_rows  # noqa: E402
 
 
 def head_summary(rows: list[dict[str, Any]], boot: int = 2000, seed: int = 0) -> dict[str, Any]:

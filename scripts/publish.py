@@ -22,22 +22,19 @@ import json
 import logging
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python scripts/publish.py` from the repo root
-    sys.path.insert(0, str(REPO))
 
-from heads import job  # noqa: E402
-from heads import registry  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads import registry  # noqa: E402
 import torch  # noqa: E402
 
-from heads.checkpoint import atomic_dir, read_head, save_safetensors  # noqa: E402
-from heads.target import EMBEDDED_TARGETS  # noqa: E402
+from draftheads.heads.checkpoint import atomic_dir, read_head, save_safetensors  # noqa: E402
+from draftheads.heads.target import EMBEDDED_TARGETS  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +230,7 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
           "huggingface-cli download <this repo> --local-dir heads/",
           "python eval/acceptance.py checkpoint=heads/ " + (f"target=hf target.name={base}" if base else ""),
           "```", "", "In Python: `" + registry.get(family).head.replace(":", ".")
-          + ".from_pretrained(folder, target)` with the target from `heads.target.load_target`.", ""]
+          + ".from_pretrained(folder, target)` with the target from `draftheads.heads.target.load_target`.", ""]
     return "\n".join(L)
 
 
@@ -263,7 +260,7 @@ def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None,
     json.loads((folder / "tau_table.json").read_text())
     out = {"family": cfg["family"], "tensors": len(tensors), "card_metadata": meta, "loaded": False}
     if target_cfg is not None:
-        from heads.target import load_target
+        from draftheads.heads.target import load_target
 
         target = load_target(target_cfg)
         registry.get(cfg["family"]).load("head").from_pretrained(folder, target)

@@ -131,8 +131,8 @@ def _train_run(ws: Path, a: dict[str, Path]) -> Path:
                 shutil.rmtree(c / "trainer_state")
     for name in ("other_data", "other_heads"):
         shutil.copytree(out, ws / f"run-{name}")
-    from heads.eagle import EagleDraft, eagle_config_for
-    from heads.target import load_target
+    from draftheads.heads.eagle import EagleDraft, eagle_config_for
+    from draftheads.heads.target import load_target
 
     tgt = load_target({"name": str(a["target"]), "dtype": "fp32", "local_files_only": True})
     torch.manual_seed(0)
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                          "says": _clean(says, ws)})
     text = markdown(rows, time.perf_counter() - t0)
     if a.only is None:
-        from heads.checkpoint import atomic_write_text
+        from draftheads.heads.checkpoint import atomic_write_text
 
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(a.out), text)
@@ -323,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
-    from heads import job
+    from draftheads.heads import job
 
     job.cli(main)

@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +152,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     axes[0].set_title("τ vs size")
     axes[1].set_title("τ vs training throughput")
     fig.tight_layout()
-    from eval.report import save_png
+    from draftheads.eval.report import save_png
 
     save_png(fig, path)
     plt.close(fig)
@@ -162,7 +161,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 
 def write_report(sweep_dir: str | os.PathLike) -> dict[str, Any]:
     """Collect and write report.{json,csv,md,png} into the sweep directory (atomically)."""
-    from heads.checkpoint import atomic_write_text
+    from draftheads.heads.checkpoint import atomic_write_text
 
     sweep_dir = Path(sweep_dir)
     report = collect(sweep_dir)
@@ -209,7 +208,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from heads import job
+    from draftheads.heads import job
 
     job.cli(main)

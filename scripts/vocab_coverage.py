@@ -18,17 +18,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from data_prep.dataset import prepare_data  # noqa: E402
-from data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores,  # noqa: E402
+from draftheads.data_prep.dataset import prepare_data  # noqa: E402
+from draftheads.data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores,  # noqa: E402
                                    select_draft_vocab, vocab_stats)
-from heads import job  # noqa: E402
-from heads.checkpoint import atomic_write_text  # noqa: E402
-from heads.eagle3 import resolve_draft_vocab_size  # noqa: E402
-from heads.target import load_target  # noqa: E402
+from draftheads.heads import job  # noqa: E402
+from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.eagle3 import resolve_draft_vocab_size  # noqa: E402
+from draftheads.heads.target import load_target  # noqa: E402
 
 OWN = ("sizes", "reference", "out")
 

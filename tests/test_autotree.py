@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import compose
-from eval.autotree import _explicit, fill_defaults, free_knobs, tree_label
-from eval.calibration import acceptance_table, calibration_split
-from eval.trees import chain, expected_tokens, greedy_tree_order, static_tree
+from draftheads.eval.autotree import _explicit, fill_defaults, free_knobs, tree_label
+from draftheads.eval.calibration import acceptance_table, calibration_split
+from draftheads.eval.trees import chain, expected_tokens, greedy_tree_order, static_tree
 
 
 def _e(tree, table) -> float:
@@ -206,8 +206,8 @@ def test_tree_label_names_the_chosen_knobs():
 
 
 def test_verification_time_is_the_profile_scaled_to_the_loops_own_forwards():
-    from eval.autotree import anchored_verify
-    from eval.calibration import Timing
+    from draftheads.eval.autotree import anchored_verify
+    from draftheads.eval.calibration import Timing
 
     prof = {"points": [{"width": w, "ms": 99.0, "ms_min": m} for w, m in ((1, 40.0), (4, 44.0), (16, 60.0), (64, 120.0))]}
     loop = [Timing({}, 1.0, 0, 0, 50.0, 10), Timing({}, 64.0, 0, 0, 120.0, 10), Timing({}, 9.0, 0, 0, 0.0, 0)]
@@ -219,7 +219,7 @@ def test_verification_time_is_the_profile_scaled_to_the_loops_own_forwards():
 # ------------------------------------------------------------------------------------------ latency cache
 
 def test_verification_time_never_falls_with_width():
-    from eval.latency import monotone, t_verify_ms
+    from draftheads.eval.latency import monotone, t_verify_ms
 
     assert monotone([1, 3, 2, 4]) == [1, 2.5, 2.5, 4] and monotone([5, 1, 1]) == [7 / 3] * 3
     assert monotone([1, 2, 3]) == [1, 2, 3]
@@ -228,8 +228,8 @@ def test_verification_time_never_falls_with_width():
 
 
 def test_latency_profile_is_cached_per_key(tiny_target_dir, cache_env):
-    from eval.latency import cached_latency_profile, profile_path, profile_key
-    from heads.target import load_target
+    from draftheads.eval.latency import cached_latency_profile, profile_path, profile_key
+    from draftheads.heads.target import load_target
 
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32", "local_files_only": True})
     a = cached_latency_profile(tgt, (1, 4), 16, 1)
@@ -258,7 +258,7 @@ def _eval_overrides(tiny_target_dir, chat_file, tmp_path, *extra):
 @pytest.mark.slow
 def test_acceptance_job_chooses_the_tree_and_reports_model_vs_measurement(tiny_target_dir, chat_file, tmp_path,
                                                                           cache_env):
-    from eval.acceptance import main
+    from draftheads.eval.acceptance import main
 
     res = main(compose("eval", _eval_overrides(tiny_target_dir, chat_file, tmp_path, "drafter=medusa-init",
                                                "untrained_heads=2")))
@@ -296,12 +296,12 @@ def test_acceptance_job_chooses_the_tree_and_reports_model_vs_measurement(tiny_t
 @pytest.mark.parametrize("drafter,knob", [("prompt_lookup", "lookup_tokens"), ("eagle", "nodes")])
 def test_acceptance_job_chooses_chains_and_dynamic_trees(tiny_target_dir, chat_file, tmp_path, cache_env, drafter,
                                                          knob):
-    from eval.acceptance import main
+    from draftheads.eval.acceptance import main
 
     extra = [f"drafter={drafter}"]
     if drafter == "eagle":
-        from heads.eagle import EagleDraft, eagle_config_for
-        from heads.target import load_target
+        from draftheads.heads.eagle import EagleDraft, eagle_config_for
+        from draftheads.heads.target import load_target
 
         tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32", "local_files_only": True})
         torch.manual_seed(0)

@@ -14,10 +14,10 @@ import torch
 from scipy import stats
 
 from conftest import tiny_model
-from eval.baselines import DraftModelDrafter, PromptLookupDrafter, build_baseline_drafter, truncated_target
-from eval.generate import LazySampledProbs, NoDrafter, commit_tree_path, generate, keep_cache_positions
-from eval.verify import apply_sampling, verify_tree
-from heads.target import from_model
+from draftheads.eval.baselines import DraftModelDrafter, PromptLookupDrafter, build_baseline_drafter, truncated_target
+from draftheads.eval.generate import LazySampledProbs, NoDrafter, commit_tree_path, generate, keep_cache_positions
+from draftheads.eval.verify import apply_sampling, verify_tree
+from draftheads.heads.target import from_model
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,10 +17,20 @@ def test_every_command_resolves_to_its_entry_file() -> None:
     for name, (module, _) in cli.JOBS.items():
         cmd = cli.resolve([name, "a=1"])
         assert cmd[0] == sys.executable and cmd[2:] == ["a=1"]
-        assert Path(cmd[1]) == REPO / (module.replace(".", "/") + ".py"), name
+        assert Path(cmd[1]) == REPO / (module.removeprefix("draftheads.").replace(".", "/") + ".py"), name
     for fam in cli.registry.FAMILIES:
         assert Path(cli.resolve(["train", fam, "train.max_steps=3"])[1]) == REPO / "train" / f"{fam}.py"
     assert cli.resolve(["compare", "STEPS=2"])[1:] == [str(REPO / "scripts" / "compare_families.sh"), "STEPS=2"]
+
+
+def test_one_namespace_installed_without_top_level_job_folders(tmp_path: Path) -> None:
+    """The job folders install as draftheads.<folder> only: from outside the checkout, `train` or `eval` is not
+    importable (nothing that generic lands in site-packages), while draftheads.train.loop is."""
+    code = ("import importlib.util as u; print([u.find_spec(m) is None for m in "
+            "('train', 'eval', 'heads', 'data_prep', 'pipeline', 'scripts')]); import draftheads.train.loop")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str([True] * 6)
 
 
 def test_help_lists_every_command() -> None:

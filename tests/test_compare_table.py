@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scripts.compare import table
+from draftheads.scripts.compare import table
 
 
 def _result(path: Path, name: str, tau: float, tps: float, plain_tps: float | None = None) -> str:

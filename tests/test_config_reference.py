@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts import config_reference as ref
+from draftheads.scripts import config_reference as ref
 
 
 def test_reference_is_current() -> None:

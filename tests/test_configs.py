@@ -84,7 +84,7 @@ def test_hydra_logs_follow_the_output(name, out, expected):
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from heads.schema import SCHEMAS  # noqa: E402
+from draftheads.heads.schema import SCHEMAS  # noqa: E402
 
 
 def _dotted(node, prefix: str = "", schema: bool = False) -> set[str]:
@@ -144,7 +144,7 @@ def test_a_wrongly_typed_value_stops_composition_naming_the_key(primary, overrid
     ("prepare", "data.on_error=ignore", "skip, raise"),
 ])
 def test_a_value_outside_its_choices_is_named_before_the_job_runs(primary, override, allowed):
-    from heads.schema import check
+    from draftheads.heads.schema import check
 
     with pytest.raises(ValueError, match=re.escape(f"{override} is not allowed; allowed: {allowed}")):
         check(compose(primary, [override]))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from eval.verify import verify_tree
-from heads.target import resolve_device
+from draftheads.eval.verify import verify_tree
+from draftheads.heads.target import resolve_device
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 from conftest import compose
-from data_prep.dataset import prepare_data
-from data_prep.distill import main as distill_main
-from data_prep.sources import Conversation, load_conversations, prompt_key, split_conversations
-from data_prep.template import prompt_ids
-from heads.target import load_target
+from draftheads.data_prep.dataset import prepare_data
+from draftheads.data_prep.distill import main as distill_main
+from draftheads.data_prep.sources import Conversation, load_conversations, prompt_key, split_conversations
+from draftheads.data_prep.template import prompt_ids
+from draftheads.heads.target import load_target
 
 
 def _chats(path):
@@ -179,7 +179,7 @@ def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from data_prep.fastgen import SlotDecoder
+    from draftheads.data_prep.fastgen import SlotDecoder
 
     for d in (tiny_target_dir, tiny_qwen2_dir):
         m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -277,7 +277,7 @@ def test_sampling_is_seeded_reproducible_whatever_the_batch_and_differs_from_gre
 
 
 def test_prompt_kind_coverage_counts_are_exact(tmp_path, tiny_target_dir):
-    from data_prep.prompt_kinds import KINDS, kind_counts, prompt_kind
+    from draftheads.data_prep.prompt_kinds import KINDS, kind_counts, prompt_kind
 
     toy = {"Translate 'good morning' into French": "translation",
            "Please summarize this article in three bullet points": "summarization",
@@ -325,7 +325,7 @@ def test_eval_questions_are_never_distilled(tmp_path, tiny_target_dir):
 
 
 def test_max_minutes_stops_between_conversations_and_a_rerun_goes_on(tmp_path, tiny_target_dir):
-    from data_prep.distill import until
+    from draftheads.data_prep.distill import until
 
     ticks = iter(range(100))
     assert list(until("abcdef", 2.5, clock=lambda: float(next(ticks)))) == ["a", "b", "c"]  # 0, 1, 2 <= 2.5

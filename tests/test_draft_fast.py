@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from eval.draft_cache import DraftKVCache
-from eval.eagle3_drafter import Eagle3Drafter
-from eval.eagle_drafter import EagleDrafter, EagleTreeConfig
-from eval.generate import NoDrafter, generate, keep_cache_positions
-from heads.eagle import EagleDraft, eagle_config_for
-from heads.eagle3 import Eagle3Draft, eagle3_config_for
-from heads.target import from_model
+from draftheads.eval.draft_cache import DraftKVCache
+from draftheads.eval.eagle3_drafter import Eagle3Drafter
+from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig
+from draftheads.eval.generate import NoDrafter, generate, keep_cache_positions
+from draftheads.heads.eagle import EagleDraft, eagle_config_for
+from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for
+from draftheads.heads.target import from_model
 
 TREES = [EagleTreeConfig(top_k=4, depth=5, nodes=20), EagleTreeConfig(kind="chain", depth=4),
          EagleTreeConfig(kind="static", paths=[[0], [1], [0, 0], [1, 0], [0, 0, 0]])]
@@ -108,7 +108,7 @@ def test_draft_kv_cache_appends_grows_and_rolls_back():
 
 def test_screened_topk_finds_the_exact_top_k_with_log_probs():
     """int8 screening + exact rescoring returns the exact top-k ids in the exact order, log-probs within 0.02."""
-    from eval.draft_logits import ScreenedTopK
+    from draftheads.eval.draft_logits import ScreenedTopK
 
     g = torch.Generator().manual_seed(0)
     V, H = 8000, 64
@@ -144,9 +144,9 @@ def test_screened_drafting_proposes_the_exact_trees(family):
 
 
 def test_screened_medusa_drafts_the_exact_candidates():
-    from eval.drafters import MedusaDrafter
-    from eval.trees import default_tree
-    from heads.medusa import MedusaHeads, medusa_config_for
+    from draftheads.eval.drafters import MedusaDrafter
+    from draftheads.eval.trees import default_tree
+    from draftheads.heads.medusa import MedusaHeads, medusa_config_for
 
     tgt = from_model(tiny_model("llama", vocab_size=400, seed=3))
     for share in (True, False):
@@ -165,8 +165,8 @@ def test_screened_medusa_drafts_the_exact_candidates():
 
 
 def test_verification_reads_lm_head_rows_lazily_and_they_equal_the_full_pass():
-    from eval.generate import LazyLogitRows, first_choice_chain, tree_forward
-    from eval.trees import ancestor_mask, depths_of
+    from draftheads.eval.generate import LazyLogitRows, first_choice_chain, tree_forward
+    from draftheads.eval.trees import ancestor_mask, depths_of
 
     tgt = from_model(tiny_model("llama", vocab_size=128, seed=3))
     prompt = torch.tensor([[5, 9, 13, 17, 21, 25]])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import heads.target as target_mod
-import train.loop as loop
-from heads.target import DTYPE_NAMES, bf16_is_fast, dtype_name, parse_dtype
+import draftheads.heads.target as target_mod
+import draftheads.train.loop as loop
+from draftheads.heads.target import DTYPE_NAMES, bf16_is_fast, dtype_name, parse_dtype
 
 
 @pytest.mark.parametrize("caps, fast", [
@@ -67,7 +67,7 @@ def test_default_target_dtype_resolves_on_this_machine():
 def test_bench_dtype_writes_json_with_both_dtypes(tmp_path):
     import json
 
-    from scripts import bench_dtype
+    from draftheads.scripts import bench_dtype
 
     out = tmp_path / "dtype.json"
     res = bench_dtype.main(["--tokens", "64", "--repeats", "1", "--out", str(out)])

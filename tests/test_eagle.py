@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import compose, tiny_model, tiny_train_overrides
-from eval.eagle_drafter import EagleDrafter, EagleTreeConfig
-from eval.generate import NoDrafter, generate
-from eval.trees import ancestor_mask, dynamic_tree, tree_inputs
-from heads.eagle import EagleDraft, eagle_config_for
-from heads.target import from_model, load_target
+from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig
+from draftheads.eval.generate import NoDrafter, generate
+from draftheads.eval.trees import ancestor_mask, dynamic_tree, tree_inputs
+from draftheads.heads.eagle import EagleDraft, eagle_config_for
+from draftheads.heads.target import from_model, load_target
 
 
 def _draft(tgt, seed=0, **kw) -> EagleDraft:
@@ -46,7 +46,7 @@ def test_loss_alignment_is_pinned():
     """Position t reads (f_t, x_{t+1}), is scored against f_{t+1} and the target's p(x_{t+2}), where x_{t+2}
     is an assistant token. A draft that outputs exactly f_{t+1} has zero feature loss and agrees with the
     target's greedy token everywhere; one shifted by a position does not."""
-    from train.eagle import EagleObjective
+    from draftheads.train.eagle import EagleObjective
 
     tgt = from_model(tiny_model("llama", vocab_size=128))
     obj = EagleObjective(_draft(tgt), tgt, noise="none")
@@ -102,7 +102,7 @@ def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_target_dir, tin
     with pytest.raises(ValueError, match="vocab_size is 400 there"):
         EagleDraft.from_pretrained(tmp_path / "d", from_model(tiny_model("llama", vocab_size=300)))
     with pytest.raises(ValueError, match="holds a 'eagle' head, expected 'medusa'"):
-        from heads.medusa import MedusaHeads
+        from draftheads.heads.medusa import MedusaHeads
 
         MedusaHeads.from_pretrained(tmp_path / "d", tgt)
 
@@ -115,7 +115,7 @@ def _losses(out_dir) -> dict[int, float]:
 
 
 def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, chat_file):
-    from train.eagle import main
+    from draftheads.train.eagle import main
 
     kw = {"train.max_steps": 24, "train.save_every": 12, "train.keep_last": 5, "optim.lr": 3e-3,
           "train.log_every": 1}
@@ -341,7 +341,7 @@ def test_tree_expansions_equal_sequential_drafting():
 
 
 def test_build_drafter_and_eval_config(tmp_path, tiny_target_dir):
-    from eval.drafters import build_drafter
+    from draftheads.eval.drafters import build_drafter
 
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     _draft(tgt).save_pretrained(tmp_path / "d", tgt.identity)
@@ -364,7 +364,7 @@ def test_build_drafter_and_eval_config(tmp_path, tiny_target_dir):
 
 def test_acceptance_job_with_an_eagle_checkpoint(tmp_path, tiny_target_dir):
     """The eval job picks the EAGLE drafter from the checkpoint and reproduces plain greedy (fp32)."""
-    from eval.acceptance import main as eval_main
+    from draftheads.eval.acceptance import main as eval_main
 
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     _draft(tgt).save_pretrained(tmp_path / "d", tgt.identity)
@@ -419,7 +419,7 @@ def test_acceptance_ranks_roll_the_draft_out_along_the_reference(tiny_target_dir
     """Depth d at position t: the draft reads (its own depth d-1 output at t, x_{t+d}) at position t+d-1, attending
     to the teacher-forced pairs <= t and its own chain at t; its candidates are checked against x_{t+1+d}. Scored:
     positions whose next D+1 tokens are the target's greedy continuation."""
-    from train.eagle import EagleObjective
+    from draftheads.train.eagle import EagleObjective
 
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     D, P = 3, 8
@@ -466,9 +466,9 @@ def test_simulated_tau_of_oracle_and_wrong_drafts(tmp_path, tiny_target_dir, cha
     1 + D, one right for two depths gets 3, one always wrong gets 1."""
     from datasets import Dataset
 
-    from data_prep.dataset import collate
-    from train.eagle import EagleObjective
-    from train.loop import Trainer, make_accelerator
+    from draftheads.data_prep.dataset import collate
+    from draftheads.train.eagle import EagleObjective
+    from draftheads.train.loop import Trainer, make_accelerator
 
     D = 4
     cfg = compose("eagle", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "run", **{
@@ -495,8 +495,8 @@ def test_simulated_tau_of_oracle_and_wrong_drafts(tmp_path, tiny_target_dir, cha
 def test_simulated_tau_equals_real_eagle_chain_decoding_at_every_step_start():
     """On a greedy continuation, the simulated chain accepts at each step start exactly what EAGLE chain decoding
     (eval.eagle_drafter, its KV cache and rollback) accepts there."""
-    from train.eagle import EagleObjective
-    from train.loop import accepted_lengths
+    from draftheads.train.eagle import EagleObjective
+    from draftheads.train.loop import accepted_lengths
 
     D = 4
     for kind in ("llama", "qwen2"):

@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import CHATML, compose, make_tokenizer, tiny_model, tiny_train_overrides
-from data_prep.draft_vocab import count_assistant_tokens, select_draft_vocab, vocab_stats
-from eval.eagle3_drafter import Eagle3Drafter
-from eval.eagle_drafter import EagleTreeConfig
-from eval.generate import NoDrafter, generate
-from heads.eagle3 import (Eagle3Config, Eagle3Draft, check_vocab_mapping, eagle3_config_for, ttt_attention,
+from draftheads.data_prep.draft_vocab import count_assistant_tokens, select_draft_vocab, vocab_stats
+from draftheads.eval.eagle3_drafter import Eagle3Drafter
+from draftheads.eval.eagle_drafter import EagleTreeConfig
+from draftheads.eval.generate import NoDrafter, generate
+from draftheads.heads.eagle3 import (Eagle3Config, Eagle3Draft, check_vocab_mapping, eagle3_config_for, ttt_attention,
                           ttt_attention_dense, ttt_dense_mask, vocab_mapping)
-from heads.target import from_model, load_target
+from draftheads.heads.target import from_model, load_target
 
 AUX = [1, 2, 3]  # the default [2, L//2, L-3] collides on the 4-layer tiny targets
 
@@ -161,7 +161,7 @@ def test_draft_vocab_selection_and_mapping_round_trip(tmp_path):
 
 def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path, cache_env, monkeypatch):
     """A small training split misses common ids; head.draft_vocab_reference ranks by the mean frequency."""
-    from data_prep.draft_vocab import count_reference_tokens, ranking_scores
+    from draftheads.data_prep.draft_vocab import count_reference_tokens, ranking_scores
 
     tok = make_tokenizer()
     V = len(tok)
@@ -176,9 +176,9 @@ def test_a_reference_corpus_votes_on_the_draft_vocab(tmp_path, cache_env, monkey
     assert ref.tolist() == want.tolist()  # assistant text only: the user's "the the the" is not counted
     # cached: a second call reads the counts back without loading the corpus; another file state is another key
     assert len(list((cache_env / "vocab_ref").glob("*.json"))) == 1
-    import data_prep.sources
+    import draftheads.data_prep.sources as sources
     with monkeypatch.context() as m:
-        m.setattr(data_prep.sources, "load_conversations", lambda *a, **k: pytest.fail("not cached"))
+        m.setattr(sources, "load_conversations", lambda *a, **k: pytest.fail("not cached"))
         again = count_reference_tokens(str(ref_file), tok, V)
     assert again.dtype == np.int64 and again.tolist() == ref.tolist()
     ref_file.write_text(ref_file.read_text() + json.dumps({"conversations": [
@@ -238,7 +238,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"d2t must be int64 of shape \(50,\)"):
         check_vocab_mapping(t["d2t"][:-1], t["t2d"], 50, 128, "x")
     with pytest.raises(ValueError, match="holds a 'eagle3' head, expected 'eagle'"):
-        from heads.eagle import EagleDraft
+        from draftheads.heads.eagle import EagleDraft
 
         EagleDraft.from_pretrained(tmp_path / "c", tgt)
     with pytest.raises(ValueError, match="vocab_size is 128 there"):
@@ -251,7 +251,7 @@ def test_loss_alignment_masking_and_out_of_vocab_targets(monkeypatch):
     """The objective's loss equals a per-position reference: step s at t is scored against the target's
     distribution of x_{t+2+s} (its logits at t+1+s) restricted to the draft vocabulary and renormalized,
     where x_{t+2+s} is an assistant token; decay^s weights; top-1 vs the full-vocab argmax (OOV = miss)."""
-    from train.eagle3 import Eagle3Objective
+    from draftheads.train.eagle3 import Eagle3Objective
 
     tgt = from_model(tiny_model("llama", vocab_size=128, seed=4))
     d = _draft(tgt, dv=20, scale=0.2)
@@ -289,11 +289,11 @@ def test_loss_alignment_masking_and_out_of_vocab_targets(monkeypatch):
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     # gradients: the fused soft-CE (and its checkpointed form, what training uses) vs plain autograd
     g_ref = torch.autograd.grad(ref, list(d.parameters()))
-    import train.eagle3
+    import draftheads.train.eagle3 as train_eagle3
 
     for ck in (False, True):
         if ck:  # also several row chunks in the fused loss (5 rows each)
-            monkeypatch.setattr(train.eagle3, "CE_CHUNK_ELEMENTS", 100)
+            monkeypatch.setattr(train_eagle3, "CE_CHUNK_ELEMENTS", 100)
         o = Eagle3Objective(d, tgt, ttt_steps=k, decay=0.8, loss_checkpoint=ck)
         g = torch.autograd.grad(o(batch)[0], list(d.parameters()))
         for a, b in zip(g, g_ref):
@@ -321,7 +321,7 @@ def _kw(**extra):
 
 
 def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_path, peaked_target_dir, chat_file):
-    from train.eagle3 import main
+    from draftheads.train.eagle3 import main
 
     tiny_target_dir = peaked_target_dir
 
@@ -345,7 +345,7 @@ def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_
     tensors = load_file(str(final / "model.safetensors"))
     # the vocabulary is the 100 most frequent assistant ids of the training split
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
-    from data_prep.dataset import prepare_data
+    from draftheads.data_prep.dataset import prepare_data
 
     data = prepare_data(compose("eagle3", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "full",
                                                                  **kw)).data, tgt.tokenizer)
@@ -382,7 +382,7 @@ def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_
 
 
 def test_frozen_lm_head_keeps_the_target_rows_and_trains_the_rest(tmp_path, peaked_target_dir, chat_file):
-    from train.eagle3 import main
+    from draftheads.train.eagle3 import main
 
     kw = _kw(**{"train.max_steps": 12, "head.freeze_lm_head": "true"})
     summary = main(compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "frz", **kw)))
@@ -409,9 +409,9 @@ def test_frozen_lm_head_keeps_the_target_rows_and_trains_the_rest(tmp_path, peak
 
 
 def test_trainer_ranks_the_vocab_with_a_reference_corpus_and_records_it(tmp_path, peaked_target_dir, chat_file):
-    from data_prep.dataset import prepare_data
-    from data_prep.draft_vocab import count_reference_tokens, ranking_scores
-    from train.eagle3 import main
+    from draftheads.data_prep.dataset import prepare_data
+    from draftheads.data_prep.draft_vocab import count_reference_tokens, ranking_scores
+    from draftheads.train.eagle3 import main
 
     ref = tmp_path / "ref.jsonl"
     ref.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"},
@@ -466,8 +466,8 @@ def test_greedy_speculative_equals_plain_greedy_and_drafts_stay_in_the_draft_voc
 
 
 def test_eval_job_with_an_eagle3_checkpoint(tmp_path, tiny_target_dir):
-    from eval.acceptance import main as eval_main
-    from eval.drafters import build_drafter
+    from draftheads.eval.acceptance import main as eval_main
+    from draftheads.eval.drafters import build_drafter
 
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     _draft(tgt, dv=100).save_pretrained(tmp_path / "d", tgt.identity)
@@ -487,8 +487,8 @@ def test_eval_job_with_an_eagle3_checkpoint(tmp_path, tiny_target_dir):
 
 def test_offline_features_train_exactly_like_online(tmp_path, peaked_target_dir, chat_file):
     """The aux layers + L captured once (fp32) give the same loss curve as the target running in the job."""
-    from data_prep.features import main as capture
-    from train.eagle3 import main
+    from draftheads.data_prep.features import main as capture
+    from draftheads.train.eagle3 import main
 
     common = ["target=hf", f"target.name={peaked_target_dir}", "target.dtype=fp32", "target.local_files_only=true",
               "data=file", f"data.path={chat_file}", "data.max_length=64", "data.heldout_fraction=0.1",
@@ -510,7 +510,7 @@ def test_offline_features_train_exactly_like_online(tmp_path, peaked_target_dir,
 def test_acceptance_ranks_for_the_simulated_tau(peaked_target_dir):
     """On the target's own greedy continuation every window of k+1 assistant tokens is scored, and the rank at
     depth d is the reference token's rank among TTT step d-1's top-k (draft ids; out-of-vocab = top_k)."""
-    from train.eagle3 import Eagle3Objective
+    from draftheads.train.eagle3 import Eagle3Objective
 
     tgt = load_target({"name": str(peaked_target_dir), "dtype": "fp32"})
     d = _draft(tgt, dv=200, scale=0.05)
@@ -544,7 +544,7 @@ def test_rollout_eval_script_scores_a_checkpoint_like_the_trainer(tmp_path, peak
     trainer's own final held-out evaluation (same rows, same objective), and the later steps are reported too."""
     import importlib.util
 
-    from train.eagle3 import main
+    from draftheads.train.eagle3 import main
 
     kw = _kw(**{"head.ttt_steps": 1})
     ov = tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "run", **kw)
@@ -568,7 +568,7 @@ def test_rollout_eval_script_scores_a_checkpoint_like_the_trainer(tmp_path, peak
 def test_measure_counts_emitted_tokens_outside_the_draft_vocab():
     """eval.measure: each EAGLE-3 row counts the emitted tokens its draft vocabulary cannot propose (a hard cap on
     acceptance); the aggregate is their share of new tokens; full-vocabulary drafters report None."""
-    from eval.measure import aggregate, out_of_draft_vocab
+    from draftheads.eval.measure import aggregate, out_of_draft_vocab
 
     tgt = from_model(tiny_model("llama", vocab_size=128, seed=3))
     d = _draft(tgt, dv=60)
@@ -590,7 +590,7 @@ def test_measure_counts_emitted_tokens_outside_the_draft_vocab():
 
 
 def test_vocab_coverage_script_tables_sizes_with_and_without_a_reference(tmp_path, peaked_target_dir, chat_file):
-    from scripts.vocab_coverage import main as coverage
+    from draftheads.scripts.vocab_coverage import main as coverage
 
     ref = tmp_path / "ref.jsonl"
     ref.write_text(json.dumps({"conversations": [{"from": "human", "value": "q"},

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from eval.exactness import (
+from draftheads.eval.exactness import (
     TREE_SHAPES,
     build_trees,
     chi2_tv,
@@ -19,7 +19,7 @@ from eval.exactness import (
     run_exactness,
     sample_without_replacement,
 )
-from eval.verify import tree_children
+from draftheads.eval.verify import tree_children
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, compose, tiny_model
-from heads.eagle3 import Eagle3Draft, eagle3_config_for
-from heads.target import from_model, load_target
-from scripts.export import check_export, export, required_keys, verify_export
+from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for
+from draftheads.heads.target import from_model, load_target
+from draftheads.scripts.export import check_export, export, required_keys, verify_export
 
 AUX = [1, 2, 3]
 SPEC_PY = Path(os.environ.get("DRAFTHEADS_SPECULATORS_PYTHON", REPO / ".venv-spec" / "bin" / "python"))
@@ -112,7 +112,7 @@ def _qwen3_target_dir(root: Path) -> Path:
 def test_speculators_loads_our_export_and_reproduces_our_logits(tmp_path, tiny_target_dir):
     """Llama (through the export job), Llama with norm_before_residual, and Qwen3 drafts; L=13 (not a multiple
     of the flex block size) and 3 TTT steps: speculators' per-step draft-vocab logits equal ours."""
-    from scripts.export import main as export_main
+    from draftheads.scripts.export import main as export_main
 
     cases = []
     llama = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
@@ -171,7 +171,7 @@ def test_speculators_loads_our_export_and_reproduces_our_logits(tmp_path, tiny_t
 
 
 def test_roundtrip_option_refuses_a_missing_python_and_another_format(tmp_path, tiny_target_dir):
-    from scripts.export import main as export_main
+    from draftheads.scripts.export import main as export_main
 
     llama = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     _draft(llama).save_pretrained(tmp_path / "ckpt", llama.identity)
@@ -188,7 +188,7 @@ def test_roundtrip_option_refuses_a_missing_python_and_another_format(tmp_path, 
 def test_export_job_round_trip_through_speculators_on_a_chat_prompt(tmp_path, tiny_target_dir):
     """``speculators_python=`` makes the export job itself reload a bf16 export in speculators: exact keys and
     values, fp32 logits equal ours on a chat-templated prompt + greedy answer."""
-    from scripts.export import main as export_main
+    from draftheads.scripts.export import main as export_main
 
     llama = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     _draft(llama, seed=4).save_pretrained(tmp_path / "ckpt", llama.identity)

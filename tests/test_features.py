@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import compose, tiny_train_overrides
-from data_prep.dataset import prepare_data
-from data_prep.features import FeatureCache, FeatureDataset, resolve_layers
-from heads.target import load_target
+from draftheads.data_prep.dataset import prepare_data
+from draftheads.data_prep.features import FeatureCache, FeatureDataset, resolve_layers
+from draftheads.heads.target import load_target
 
 L = 4  # layers of the tiny targets in conftest
 
@@ -25,7 +25,7 @@ def _feature_cfg(target_dir, chat_file, data_cache, out, *extra):
 
 
 def _capture(tmp_path, target_dir, chat_file, name, *extra):
-    from data_prep.features import main
+    from draftheads.data_prep.features import main
 
     out = tmp_path / name
     return main(_feature_cfg(target_dir, chat_file, tmp_path / "data-cache", out, *extra)), out
@@ -37,7 +37,7 @@ def _losses(out_dir) -> list[float]:
 
 
 def _train(tmp_path, target_dir, chat_file, name, **kw):
-    from train.eagle import main
+    from draftheads.train.eagle import main
 
     kw = {"data.cache_dir": str(tmp_path / "data-cache"), "train.max_steps": 6, "optim.lr": 3e-3, **kw}
     return main(compose("eagle", tiny_train_overrides(target_dir, chat_file, tmp_path / name, **kw)))
@@ -135,7 +135,7 @@ def test_mismatching_caches_are_refused(tmp_path, tiny_target_dir, tiny_qwen2_di
 
 
 def test_killed_capture_job_resumes_where_it_stopped(tmp_path, tiny_target_dir, chat_file, monkeypatch):
-    import data_prep.features as feats
+    import draftheads.data_prep.features as feats
 
     real = feats.write_shard
     calls = []

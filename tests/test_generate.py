@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import CHATML, make_tokenizer, tiny_model
-from eval.drafters import MedusaDrafter
-from eval.generate import DraftTree, NoDrafter, generate, keep_cache_positions
-from eval.trees import chain, default_tree, static_tree
-from heads.medusa import MedusaHeads, medusa_config_for
-from heads.target import from_model
+from draftheads.eval.drafters import MedusaDrafter
+from draftheads.eval.generate import DraftTree, NoDrafter, generate, keep_cache_positions
+from draftheads.eval.trees import chain, default_tree, static_tree
+from draftheads.heads.medusa import MedusaHeads, medusa_config_for
+from draftheads.heads.target import from_model
 
 
 class OracleDrafter:
@@ -92,7 +92,7 @@ def test_eos_stops_and_is_kept():
 
 def test_tree_forward_then_compaction_equals_fresh_prefill_of_accepted_path():
     """After a tree forward, keeping prefix + accepted path gives the cache of a plain prefill of those tokens."""
-    from eval.trees import ancestor_mask
+    from draftheads.eval.trees import ancestor_mask
 
     model = tiny_model("llama", vocab_size=128)
     tgt = from_model(model)
@@ -126,7 +126,7 @@ def test_static_tree_structure():
 
 
 def test_tree_from_accuracies_is_optimal_and_handles_zero_profiles():
-    from eval.trees import expected_accept_length, tree_from_accuracies
+    from draftheads.eval.trees import expected_accept_length, tree_from_accuracies
 
     acc = [[0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
     t = tree_from_accuracies(acc, 4)  # root + 3 best prefix-closed nodes: (0,), (0,0)=.2, (1,)=.2 -> tie by path

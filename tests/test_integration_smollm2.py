@@ -20,7 +20,7 @@ def test_smollm2_prepare_train_eval(tmp_path):
         "train.device=cpu", "train.batch_size=2", "train.max_steps=3", "train.log_every=1",
         "train.save_every=0", "train.eval_tokens=500", "head.share_lm_head=true", "optim.lr=1e-3",
         "optim.warmup_steps=0"])
-    from train.medusa import main as train_main
+    from draftheads.train.medusa import main as train_main
 
     summary = train_main(cfg)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
@@ -34,7 +34,7 @@ def test_smollm2_prepare_train_eval(tmp_path):
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Name three colors.",
                                                                                    "Now two more."]}) + "\n")
-    from eval.acceptance import main as eval_main
+    from draftheads.eval.acceptance import main as eval_main
 
     ecfg = compose("eval", [f"checkpoint={out / 'final'}", f"questions={qfile}", "max_new_tokens=24",
                             "target.dtype=fp32", "compare_plain=true", f"out={tmp_path / 'eval.json'}",
@@ -47,7 +47,7 @@ def test_smollm2_prepare_train_eval(tmp_path):
 @pytest.mark.slow
 @pytest.mark.integration
 def test_decode_attention_benchmark_times_both_kernels_on_real_prompts(tmp_path):
-    from scripts import bench_decode_attn
+    from draftheads.scripts import bench_decode_attn
 
     out = tmp_path / "decode_attn.json"
     res = bench_decode_attn.main(["--device", "cpu", "--dtype", "fp32", "--batch", "3", "--new", "4",
@@ -80,7 +80,7 @@ def test_zoo_stays_small():
 def test_zoo_head_loads_decodes_exactly_and_exports(head, tmp_path):
     """A published head loads on the embedded target, decodes token-identically to plain greedy (fp32) and, if it
     is an EAGLE-3 draft, exports to the speculators layout."""
-    from eval.acceptance import main as eval_main
+    from draftheads.eval.acceptance import main as eval_main
 
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"question_id": 1, "category": "writing",
@@ -91,7 +91,7 @@ def test_zoo_head_loads_decodes_exactly_and_exports(head, tmp_path):
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 1
     assert res["summary"]["tau"] > 1.0  # a trained head accepts something on 32 tokens
     if json.loads((head / "config.json").read_text())["family"] == "eagle3":
-        from scripts.export import main as export_main
+        from draftheads.scripts.export import main as export_main
 
         s = export_main(compose("export", [f"checkpoint={head}", f"out={tmp_path / 'export'}"]))
         assert (tmp_path / "export" / "model.safetensors").is_file() and s

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import tiny_model
-from eval.drafters import with_lookup_branch
-from eval.eagle_drafter import EagleDrafter, EagleTreeConfig
-from eval.generate import NoDrafter, generate
-from eval.lookup_branch import LookupBranch, merge_chain
-from heads.eagle import EagleDraft, eagle_config_for
-from heads.target import from_model
+from draftheads.eval.drafters import with_lookup_branch
+from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig
+from draftheads.eval.generate import NoDrafter, generate
+from draftheads.eval.lookup_branch import LookupBranch, merge_chain
+from draftheads.heads.eagle import EagleDraft, eagle_config_for
+from draftheads.heads.target import from_model
 
 
 def test_merge_shares_the_drafted_prefix_and_hangs_the_rest_under_it():

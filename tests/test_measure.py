@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import compose
-from eval.measure import depth_stats, formula_tau, main
+from draftheads.eval.measure import depth_stats, formula_tau, main
 
 QUESTIONS = [
     {"question_id": 1, "category": "copy", "turns": ["please list one two three one two three one two", "count from one"]},
@@ -29,8 +29,8 @@ def _overrides(target_dir: Path, qfile: Path, out: Path, *extra: str) -> list[st
 
 def _medusa_checkpoint(target_dir: Path, out: Path, num_heads: int = 2) -> Path:
     """An (untrained, identity-initialized) Medusa checkpoint for the tiny target: a 'trained head' input."""
-    from heads.medusa import MedusaHeads, medusa_config_for
-    from heads.target import load_target
+    from draftheads.heads.medusa import MedusaHeads, medusa_config_for
+    from draftheads.heads.target import load_target
 
     tgt = load_target({"name": str(target_dir), "dtype": "fp32", "local_files_only": True})
     MedusaHeads(medusa_config_for(tgt, num_heads, 1, True), tgt.lm_head()).save_pretrained(out, tgt.identity)
@@ -169,7 +169,7 @@ def test_formula_and_depth_stats():
 
 def test_question_file_per_category_and_bad_records(tmp_path):
     """per_category keeps the first N of each category in file order; malformed records name file and line."""
-    from eval.questions import load_questions
+    from draftheads.eval.questions import load_questions
 
     rows = [{"question_id": i, "category": c, "turns": [f"q{i}"]}
             for i, c in enumerate(["a", "a", "a", "b", "b", "c"])]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.tau import paired_bootstrap
-from scripts.paired_tau import compare
+from draftheads.eval.tau import paired_bootstrap
+from draftheads.scripts.paired_tau import compare
 
 
 def _write(path, method, steps, tokens=32):
@@ -59,7 +59,7 @@ def test_bad_inputs_name_the_problem(tmp_path):
 
 
 def test_tau_definition_shared_by_measure_and_paired_tau():
-    from eval.tau import tau, tau_value
+    from draftheads.eval.tau import tau, tau_value
 
     rows = [{"steps": 10, "accepted_total": 5}, {"steps": 6, "accepted_total": 3}]
     assert tau(rows) == pytest.approx(24 / 16) == tau_value(8, 16)
@@ -67,7 +67,7 @@ def test_tau_definition_shared_by_measure_and_paired_tau():
 
 
 def test_turns_on_different_prompts_are_refused_or_skipped():
-    from eval.tau import paired_forwards
+    from draftheads.eval.tau import paired_forwards
 
     ra = {(0, 0): {"steps": 10, "accepted_total": 6, "new_tokens": 16, "prompt_hash": "x"},
           (0, 1): {"steps": 12, "accepted_total": 4, "new_tokens": 16, "prompt_hash": "y"}}
@@ -128,7 +128,7 @@ def test_cluster_and_turn_options_are_checked(tmp_path):
 
 def test_plot_runs_summarizes_heads_from_separate_runs(tmp_path, capsys):
     """scripts/plot_runs.py: τ overall and per category, P(accepted ≥ d) from per-step counts, one PNG."""
-    from scripts.plot_runs import main
+    from draftheads.scripts.plot_runs import main
 
     def write(path, method, accepted_by_q):
         rows = [{"method": method, "setting": "greedy", "question_id": q, "turn": 0, "category": "math" if q else "code",
@@ -162,7 +162,7 @@ def test_save_png_never_leaves_a_half_written_image(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eval.report import save_png
+    from draftheads.eval.report import save_png
 
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])

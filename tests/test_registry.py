@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from heads import registry
+from draftheads.heads import registry
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,7 +16,7 @@ def test_every_family_part_resolves() -> None:
     assert set(registry.FAMILIES) == {"medusa", "eagle", "eagle3"}
     for fam in registry.FAMILIES.values():
         assert callable(fam.load("head").from_pretrained) and callable(fam.load("drafter"))
-        assert (REPO / (fam.trainer.replace(".", "/") + ".py")).is_file()
+        assert (REPO / (fam.trainer.removeprefix("draftheads.").replace(".", "/") + ".py")).is_file()
     assert registry.get("medusa").tree == "static" and registry.get("eagle3").tree == "dynamic"
 
 
@@ -27,10 +27,10 @@ def test_unknown_family_names_the_registered_ones() -> None:
 
 def test_a_new_family_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A registered family is reachable from the eval factory, sweeps and tree=auto without touching them."""
-    from eval import autotree, drafters
+    from draftheads.eval import autotree, drafters
 
     monkeypatch.setitem(registry.FAMILIES, "toy", registry.Family(
-        "toy", "heads.eagle:EagleDraft", "tests.test_registry:_toy_drafter", "train.eagle", "dynamic", "a toy"))
+        "toy", "draftheads.heads.eagle:EagleDraft", "tests.test_registry:_toy_drafter", "draftheads.train.eagle", "dynamic", "a toy"))
     assert drafters.build_drafter("toy", None, "dir", {}, None) == ("drafter", {"drafter": "toy", "head": "dir"})
     assert autotree.family_of("toy") == "dynamic"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from heads import job
+from draftheads.heads import job
 
 
 # --------------------------------------------------------------------------- heads/job.py in-process
@@ -160,7 +160,7 @@ def test_config_int_keeps_an_explicit_zero():
 ])
 def test_training_settings_that_trained_nothing_are_errors(tmp_path, override, message):
     from conftest import compose
-    from train.loop import make_accelerator
+    from draftheads.train.loop import make_accelerator
 
     cfg = compose("medusa", ["logging.wandb=disabled", "train.device=cpu", override])
     with pytest.raises(ValueError, match=message):
@@ -171,7 +171,7 @@ def test_cuda_without_cuda_is_an_error(monkeypatch):
     import torch
 
     from conftest import compose
-    from train.loop import make_accelerator
+    from draftheads.train.loop import make_accelerator
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="train.device=cuda was asked for but torch sees no CUDA GPU"):
@@ -181,8 +181,8 @@ def test_cuda_without_cuda_is_an_error(monkeypatch):
 def test_zero_tree_sizes_are_errors_not_defaults():
     from omegaconf import OmegaConf
 
-    from eval.drafters import medusa_tree
-    from eval.eagle_drafter import EagleTreeConfig
+    from draftheads.eval.drafters import medusa_tree
+    from draftheads.eval.eagle_drafter import EagleTreeConfig
 
     for key in ("nodes", "depth", "top_k"):
         with pytest.raises(ValueError, match=f"tree.{key} must be >= 1, got 0"):
@@ -198,7 +198,7 @@ def test_zero_questions_and_tokens_are_errors(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from eval.questions import check_eval_limits, load_questions
+    from draftheads.eval.questions import check_eval_limits, load_questions
 
     q = tmp_path / "q.jsonl"
     q.write_text('{"question_id": 1, "turns": ["a"]}\n{"question_id": 2, "turns": ["b"]}\n')
@@ -224,7 +224,7 @@ def test_zero_questions_and_tokens_are_errors(tmp_path):
 
 def test_prompt_longer_than_the_context_is_skipped_and_counted(tiny_target_dir, tmp_path, caplog):
     from conftest import compose
-    from eval.acceptance import main
+    from draftheads.eval.acceptance import main
 
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"question_id": "long", "turns": ["word " * 1100]}) + "\n"
@@ -242,7 +242,7 @@ def test_prompt_longer_than_the_context_is_skipped_and_counted(tiny_target_dir, 
 def test_head_with_nan_or_inf_is_refused_on_load(tmp_path):
     import torch
 
-    from heads.checkpoint import read_head, save_head
+    from draftheads.heads.checkpoint import read_head, save_head
 
     good = {"w": torch.ones(3, 4), "steps": torch.arange(3)}
     save_head(tmp_path / "ok", "medusa", {}, {}, good)
@@ -260,8 +260,8 @@ def test_head_with_nan_or_inf_is_refused_on_load(tmp_path):
 # --------------------------------------------------------------------------- misleading messages
 
 def test_data_path_directory_and_unknown_target_messages(tmp_path):
-    from data_prep.dataset import DataConfig, _source_identity
-    from heads.target import TargetConfig, resolve_target
+    from draftheads.data_prep.dataset import DataConfig, _source_identity
+    from draftheads.heads.target import TargetConfig, resolve_target
 
     with pytest.raises(IsADirectoryError, match=f"data.path={tmp_path} is a directory; expected a JSON or JSONL"):
         _source_identity(DataConfig(source="file", path=str(tmp_path)))
@@ -279,7 +279,7 @@ def test_data_path_directory_and_unknown_target_messages(tmp_path):
 def test_head_files_follow_the_umask(tmp_path, mask):
     import torch
 
-    from heads.checkpoint import save_head
+    from draftheads.heads.checkpoint import save_head
 
     old = os.umask(mask)
     try:
@@ -297,7 +297,7 @@ def test_head_files_follow_the_umask(tmp_path, mask):
 def trained_medusa(tmp_path_factory, tiny_target_dir, chat_file):
     """A 6-step Medusa run (2 heads) with checkpoints at steps 3 and 6 and the exact per-step losses."""
     from conftest import compose, tiny_train_overrides
-    from train.medusa import main
+    from draftheads.train.medusa import main
 
     out = tmp_path_factory.mktemp("medusa-run") / "run"
     main(compose("medusa", tiny_train_overrides(tiny_target_dir, chat_file, out, **RESUME_KW)))
@@ -318,7 +318,7 @@ def _resume(src: Path, dst: Path, tiny_target_dir, chat_file, **extra):
     import shutil
 
     from conftest import compose, tiny_train_overrides
-    from train.medusa import main
+    from draftheads.train.medusa import main
 
     if not dst.exists():
         shutil.copytree(src, dst)

@@ -26,7 +26,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import CONF, REPO, compose, tiny_model, tiny_train_overrides
-from train.loop import accepted_lengths, list_checkpoints, lockstep_batches
+from draftheads.train.loop import accepted_lengths, list_checkpoints, lockstep_batches
 
 LAUNCH = CONF / "launch"
 
@@ -67,11 +67,11 @@ def _assert_same_weights(a: Path, b: Path, atol: float = 2e-5) -> None:
 
 def _main(family: str):
     if family == "medusa":
-        from train.medusa import main
+        from draftheads.train.medusa import main
     elif family == "eagle":
-        from train.eagle import main
+        from draftheads.train.eagle import main
     else:
-        from train.eagle3 import main
+        from draftheads.train.eagle3 import main
     return main
 
 
@@ -125,7 +125,7 @@ def test_write_summary_ends_a_multi_process_run_and_only_that(tmp_path):
     to atexit aborted a finished ZeRO-2 launch); a single process keeps its state (tests call main() repeatedly)."""
     from types import SimpleNamespace
 
-    from train.loop import TrainResult, write_summary
+    from draftheads.train.loop import TrainResult, write_summary
 
     for n, main, expected in ((2, True, ["wait", "end"]), (2, False, ["wait", "end"]), (1, True, [])):
         calls: list[str] = []
@@ -197,8 +197,8 @@ def test_ddp_and_deepspeed_zero2_match_single_process(tmp_path, tiny_target_dir,
 @pytest.mark.parametrize("config", ["zero3", "fsdp"])
 def test_zero3_and_fsdp_shard_draft_and_target_and_save_loadable_heads(tmp_path, tiny_target_dir, chat_file,
                                                                         config):
-    from heads.medusa import MedusaHeads
-    from heads.target import load_target
+    from draftheads.heads.medusa import MedusaHeads
+    from draftheads.heads.target import load_target
 
     kw = {"train.max_steps": 4, "train.save_every": 2, "train.keep_last": 5, "optim.lr": 3e-3, "head.num_heads": 3}
     single = tmp_path / "single"
@@ -269,7 +269,7 @@ def test_deepspeed_checkpoints_are_read_without_unpickling_code(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from train.loop import _safe_deepspeed_checkpoint_engine
+    from draftheads.train.loop import _safe_deepspeed_checkpoint_engine
 
     class Engine:
         checkpoint_engine = TorchCheckpointEngine()
@@ -297,7 +297,7 @@ def test_deepspeed_checkpoints_are_read_without_unpickling_code(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_mid_training_then_resume_matches_uninterrupted(tmp_path, tiny_target_dir, chat_file):
-    from train.medusa import main
+    from draftheads.train.medusa import main
 
     kw = {"train.max_steps": 30, "train.save_every": 3, "train.keep_last": 2, "optim.lr": 3e-3}
     full = tmp_path / "full"
@@ -363,12 +363,12 @@ def test_lockstep_batches_give_every_rank_the_same_count():
 
 def test_simulated_tau_equals_real_greedy_decoding_at_every_step_start():
     """On a greedy continuation, the teacher-forced simulation accepts exactly what decoding accepts."""
-    from eval.drafters import MedusaDrafter
-    from eval.generate import NoDrafter, generate
-    from eval.trees import chain, default_tree
-    from heads.medusa import MedusaHeads, medusa_config_for
-    from heads.target import from_model
-    from train.medusa import MedusaObjective
+    from draftheads.eval.drafters import MedusaDrafter
+    from draftheads.eval.generate import NoDrafter, generate
+    from draftheads.eval.trees import chain, default_tree
+    from draftheads.heads.medusa import MedusaHeads, medusa_config_for
+    from draftheads.heads.target import from_model
+    from draftheads.train.medusa import MedusaObjective
 
     torch.manual_seed(0)
     tgt = from_model(tiny_model("llama", vocab_size=48, hidden=32, seed=3))
@@ -412,13 +412,13 @@ def test_simulated_tau_is_logged_with_each_evaluation(tmp_path, tiny_target_dir,
     byte-level output does not survive a decode/encode round trip through text."""
     from datasets import Dataset
 
-    from data_prep.dataset import collate
-    from eval.generate import NoDrafter, generate
-    from eval.trees import default_tree
-    from heads.medusa import MedusaHeads, medusa_config_for
-    from heads.target import load_target
-    from train.loop import Trainer, make_accelerator
-    from train.medusa import MedusaObjective
+    from draftheads.data_prep.dataset import collate
+    from draftheads.eval.generate import NoDrafter, generate
+    from draftheads.eval.trees import default_tree
+    from draftheads.heads.medusa import MedusaHeads, medusa_config_for
+    from draftheads.heads.target import load_target
+    from draftheads.train.loop import Trainer, make_accelerator
+    from draftheads.train.medusa import MedusaObjective
 
     cfg = compose("medusa", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "run", **{
         "train.max_steps": 4, "train.eval_every": 2, "train.batch_size": 4, "head.num_heads": 2,
@@ -474,7 +474,7 @@ def test_sweep_trains_evaluates_and_reports(tmp_path, tiny_target_dir, chat_file
     assert len([ln for ln in md.splitlines() if ln.startswith("| ")]) == 5 and "τ (eval)" in md
     assert (sweep / "report.png").stat().st_size > 1000 and (sweep / "report.csv").read_text().count("\n") == 5
     # the report job also runs on its own
-    from scripts.sweep_report import main as report_main
+    from draftheads.scripts.sweep_report import main as report_main
 
     again = report_main([str(sweep)])
     assert [r["tau"] for r in again["rows"]] == [r["tau"] for r in report["rows"]]
@@ -484,11 +484,11 @@ def test_sweep_trains_evaluates_and_reports(tmp_path, tiny_target_dir, chat_file
 
 def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_target_dir, chat_file, monkeypatch,
                                                                capsys):
-    from eval.acceptance import main as eval_main
-    from heads.medusa import MedusaHeads
-    from heads.target import load_target
-    from scripts import publish
-    from train.medusa import main
+    from draftheads.eval.acceptance import main as eval_main
+    from draftheads.heads.medusa import MedusaHeads
+    from draftheads.heads.target import load_target
+    from draftheads.scripts import publish
+    from draftheads.train.medusa import main
 
     run = tmp_path / "run"
     main(compose("medusa", tiny_train_overrides(tiny_target_dir, chat_file, run, **{"head.num_heads": 2})))
@@ -567,7 +567,7 @@ def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_ta
 
 def test_publish_tau_table_reads_a_measure_run(tmp_path):
     """eval/measure.py results give the card one row per trained head: τ, × plain and τ per category."""
-    from scripts.publish import model_card, tau_rows
+    from draftheads.scripts.publish import model_card, tau_rows
 
     block = {"mode": "greedy", "methods": {
         "plain": {"tau": 1.0, "tokens_per_s": 20.0, "turns": 2},

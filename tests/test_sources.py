@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from data_prep import sources
-from data_prep.sources import (
+from draftheads.data_prep import sources
+from draftheads.data_prep.sources import (
     Conversation,
     DataError,
     LoadStats,

@@ -47,7 +47,7 @@ def word_target_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def distilled_file(tmp_path_factory, word_target_dir) -> Path:
     """The target's own greedy answers to 120 synthetic prompts (data_prep/distill.py, the real job)."""
-    from data_prep.distill import main as distill_main
+    from draftheads.data_prep.distill import main as distill_main
 
     d = tmp_path_factory.mktemp("distilled")
     chats = d / "chats.jsonl"
@@ -63,7 +63,7 @@ def distilled_file(tmp_path_factory, word_target_dir) -> Path:
 def _main(family: str):
     from importlib import import_module
 
-    return import_module(f"train.{family}").main
+    return import_module(f"draftheads.train.{family}").main
 
 
 def _run(family: str, target_dir: Path, data: Path, out: Path, **kw):
@@ -117,8 +117,8 @@ def test_best_holds_the_head_of_the_step_with_the_highest_measured_tau(tmp_path,
     _same_weights(out / "best", ref)
     assert json.loads((out / "best" / "config.json").read_text())["step"] == best_step
     # and re-measuring best/ with a fresh evaluator on the same prompts gives the recorded τ
-    from heads.target import load_target
-    from pipeline.tau_eval import TauEvaluator
+    from draftheads.heads.target import load_target
+    from draftheads.pipeline.tau_eval import TauEvaluator
 
     target = load_target({"name": str(word_target_dir), "dtype": "fp32", "local_files_only": True})
     heldout_q = next((out / "data-cache").rglob("heldout_questions.jsonl"))
@@ -203,12 +203,12 @@ def test_train_imports_neither_eval_nor_pipeline():
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-            bad = [n for n in names if n.split(".")[0] in ("eval", "pipeline")]
+            bad = [n for n in names if n.removeprefix("draftheads.").split(".")[0] in ("eval", "pipeline")]
             assert not bad, f"{path.relative_to(REPO)}:{node.lineno} imports {bad}"
     cfg = compose("medusa", [])
-    assert cfg.train.tau_eval.evaluator._target_ == "pipeline.tau_eval.TauEvaluator"
-    assert cfg.train.eval_after._target_ == "pipeline.eval_after.EvalAfter"
-    assert cfg.head.sim_tree._target_ == "eval.trees.default_tree"
+    assert cfg.train.tau_eval.evaluator._target_ == "draftheads.pipeline.tau_eval.TauEvaluator"
+    assert cfg.train.eval_after._target_ == "draftheads.pipeline.eval_after.EvalAfter"
+    assert cfg.head.sim_tree._target_ == "draftheads.eval.trees.default_tree"
 
 
 @pytest.mark.slow
@@ -247,8 +247,8 @@ def test_two_process_run_measures_tau_on_rank_0_while_the_other_waits(tmp_path, 
 def test_smollm2_eagle3_best_is_what_the_eval_job_measures(tmp_path):
     """The embedded SmolLM2-135M: a few EAGLE-3 steps with τ measured every 2 steps; the eval job
     (eval/acceptance.py) on best/ with the same held-out prompts and settings reports the τ best.json records."""
-    from eval.acceptance import main as eval_main
-    from train.eagle3 import main as train_main
+    from draftheads.eval.acceptance import main as eval_main
+    from draftheads.train.eagle3 import main as train_main
 
     out = tmp_path / "run"
     summary = train_main(compose("eagle3", [
@@ -272,7 +272,7 @@ def test_smollm2_eagle3_best_is_what_the_eval_job_measures(tmp_path):
 
 def test_plot_run_redraws_a_stopped_runs_png(tmp_path):
     """A run stopped before its end has no training.png: scripts/plot_run.py draws it from metrics.jsonl."""
-    from scripts.plot_run import plot_run
+    from draftheads.scripts.plot_run import plot_run
 
     run = tmp_path / "run"
     (run / "best").mkdir(parents=True)

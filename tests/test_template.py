@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import CHATML, LLAMA3, QWEN2, make_tokenizer
-from data_prep.template import TemplateError, assistant_spans, ensure_chat_template, prompt_ids, tokenize_conversation
+from draftheads.data_prep.template import TemplateError, assistant_spans, ensure_chat_template, prompt_ids, tokenize_conversation
 
 CONV = [
     {"role": "user", "content": "hello there"},

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import compose, tiny_model, tiny_train_overrides
-from data_prep.dataset import shifted_valid
-from heads.medusa import MedusaConfig, MedusaHeads, medusa_config_for
-from heads.target import from_model, load_target
-from train.medusa import MedusaObjective, main
+from draftheads.data_prep.dataset import shifted_valid
+from draftheads.heads.medusa import MedusaConfig, MedusaHeads, medusa_config_for
+from draftheads.heads.target import from_model, load_target
+from draftheads.train.medusa import MedusaObjective, main
 
 
 def test_identity_init_equals_target_head():
@@ -150,7 +150,7 @@ def test_resume_refuses_a_different_global_batch(tmp_path, tiny_target_dir, chat
 
 def test_empty_heldout_split_loads(tmp_path, chat_file):
     from conftest import CHATML, make_tokenizer
-    from data_prep.dataset import DataConfig, prepare_data
+    from draftheads.data_prep.dataset import DataConfig, prepare_data
 
     cfg = DataConfig(source="file", path=str(chat_file), heldout_fraction=0.0, max_length=64,
                      cache_dir=str(tmp_path))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from eval.verify import _residual, apply_sampling, tree_children, verify_tree
+from draftheads.eval.verify import _residual, apply_sampling, tree_children, verify_tree
 
 V = 5
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from heads.checkpoint import atomic_write_text
+from draftheads.heads.checkpoint import atomic_write_text
 
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class CheckpointMixin:
                 assert self._shadow is not None
                 self._shadow.load_state_dict(full)
                 self._shadow.save_pretrained(tmp, extra=extra)
-                from heads.checkpoint import save_safetensors  # the umask's mode, not safetensors' 0600
+                from draftheads.heads.checkpoint import save_safetensors  # the umask's mode, not safetensors' 0600
 
                 (tmp / "trainer_state").mkdir()
                 save_safetensors({k: v.contiguous() for k, v in full.items()}, tmp / "trainer_state" / "draft.safetensors")
@@ -159,7 +159,7 @@ class CheckpointMixin:
         return final_dir
 
     def try_resume(self) -> bool:
-        from train.resume import check_same_data, explain_state_mismatch, pick_checkpoint, trim_metrics
+        from draftheads.train.resume import check_same_data, explain_state_mismatch, pick_checkpoint, trim_metrics
 
         picked = pick_checkpoint(self.out_dir)  # newest complete one; all incomplete: an error naming them
         if picked is None:

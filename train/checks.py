@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from heads.job import config_int
+from draftheads.heads.job import config_int
 
 
 def check_train_config(cfg: Any) -> None:

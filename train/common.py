@@ -15,9 +15,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from data_prep.dataset import collate
-from data_prep.features import training_features
-from train.loop import lockstep_batches
+from draftheads.data_prep.dataset import collate
+from draftheads.data_prep.features import training_features
+from draftheads.train.loop import lockstep_batches
 
 
 def draft_sequence(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads.target import bf16_is_fast
+from draftheads.heads.target import bf16_is_fast
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def make_accelerator(cfg: Any):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
-    from train.checks import check_train_config
+    from draftheads.train.checks import check_train_config
 
     check_train_config(cfg)  # grad_accum=0, cuda without CUDA, ...: errors, not a silent wrong run
     t = cfg.train

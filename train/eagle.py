@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from data_prep.dataset import prepare_data, shifted_valid
-from data_prep.features import batch_hidden
-from heads import job
-from heads.eagle import EagleDraft, eagle_config_for
-from heads.target import FrozenTarget, load_target
-from train.common import draft_sequence, feature_source, heldout_evaluator
-from train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accelerator, reference_ranks,
+from draftheads.data_prep.dataset import prepare_data, shifted_valid
+from draftheads.data_prep.features import batch_hidden
+from draftheads.heads import job
+from draftheads.heads.eagle import EagleDraft, eagle_config_for
+from draftheads.heads.target import FrozenTarget, load_target
+from draftheads.train.common import draft_sequence, feature_source, heldout_evaluator
+from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accelerator, reference_ranks,
                         resolve_out_dir, save_run_config, write_summary)
 
 log = logging.getLogger(__name__)

@@ -38,15 +38,15 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from data_prep.dataset import prepare_data, shifted_valid
-from data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores, select_draft_vocab,
+from draftheads.data_prep.dataset import prepare_data, shifted_valid
+from draftheads.data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores, select_draft_vocab,
                                    vocab_stats)
-from data_prep.features import batch_hidden
-from heads import job
-from heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
-from heads.target import FrozenTarget, load_target
-from train.common import draft_sequence, feature_source, heldout_evaluator
-from train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, make_accelerator,
+from draftheads.data_prep.features import batch_hidden
+from draftheads.heads import job
+from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
+from draftheads.heads.target import FrozenTarget, load_target
+from draftheads.train.common import draft_sequence, feature_source, heldout_evaluator
+from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, make_accelerator,
                         reference_ranks, resolve_out_dir, save_run_config, write_summary)
 
 log = logging.getLogger(__name__)

@@ -31,20 +31,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from heads.checkpoint import atomic_dir, atomic_write_text
+from draftheads.heads.checkpoint import atomic_dir, atomic_write_text
 
-from train.batching import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
+from draftheads.train.batching import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
     GlobalBatches, lr_lambda, lockstep_batches)
-from train.distributed import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
+from draftheads.train.distributed import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
     launch_mode, zero_stage, resolve_mixed_precision, make_accelerator, launch_info, _device_mesh, _plain_copy,
     shard_frozen_target, _safe_deepspeed_checkpoint_engine)
-from train.sim_tau import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
+from draftheads.train.sim_tau import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
     greedy_windows, reference_ranks, accepted_lengths)
-from train.checkpointing import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
+from draftheads.train.checkpointing import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
     CheckpointMixin, rng_state, set_rng_state, list_checkpoints)
-from train.reporting import ReportMixin
-from train.tau_select import TauMixin
-from train.run import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
+from draftheads.train.reporting import ReportMixin
+from draftheads.train.tau_select import TauMixin
+from draftheads.train.run import (  # noqa: F401 (also re-exported: entries and tests import from train.loop)
     TrainResult, _peak_rss_mb, _reset_peak_rss, _vm_hwm_mb, tau_every, build_tau_evaluator, run_eval_after,
     resolve_out_dir, write_summary, save_run_config)
 

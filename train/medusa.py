@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
-from heads import job
-from heads.medusa import MedusaHeads, medusa_config_for
-from heads.target import FrozenTarget, load_target
-from train.loop import (Trainer, build_tau_evaluator, lockstep_batches, make_accelerator, resolve_out_dir,
+from draftheads.data_prep.dataset import collate, model_inputs, prepare_data, shifted_valid
+from draftheads.heads import job
+from draftheads.heads.medusa import MedusaHeads, medusa_config_for
+from draftheads.heads.target import FrozenTarget, load_target
+from draftheads.train.loop import (Trainer, build_tau_evaluator, lockstep_batches, make_accelerator, resolve_out_dir,
                         save_run_config, write_summary)
 
 log = logging.getLogger(__name__)

@@ -88,7 +88,7 @@ def pick_checkpoint(out_dir: Path) -> tuple[int, Path] | None:
 def trim_metrics(metrics_path: Path, step: int) -> None:
     """Drop metrics rows past ``step`` (all of them when starting over), so a resumed or restarted run never
     appends a second copy of the same steps."""
-    from heads.checkpoint import atomic_write_text
+    from draftheads.heads.checkpoint import atomic_write_text
 
     if not metrics_path.is_file():
         return

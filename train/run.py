@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from heads.checkpoint import atomic_write_text
+from draftheads.heads.checkpoint import atomic_write_text
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ def greedy_windows(batch: dict[str, torch.Tensor], top_hidden: torch.Tensor, lm_
     that equal those greedy choices: decoding greedily from the prefix x_<=t would produce them, with x_{t+1}
     as the step's root and t+2 .. t+width checked against draft depths 1 .. width-1. Considered: positions whose
     next token is an assistant token (the coverage denominator)."""
-    from data_prep.dataset import shifted_valid
+    from draftheads.data_prep.dataset import shifted_valid
 
     ids = batch["input_ids"]
     B, T = ids.shape

@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from heads.checkpoint import atomic_dir
-from train.batching import lockstep_batches
-from train.run import tau_every
-from train.sim_tau import accepted_lengths
+from draftheads.heads.checkpoint import atomic_dir
+from draftheads.train.batching import lockstep_batches
+from draftheads.train.run import tau_every
+from draftheads.train.sim_tau import accepted_lengths
 
 log = logging.getLogger(__name__)
 
