@@ -249,12 +249,16 @@ def _chi2(tgt, drafter, prompt, joint, n, mode, seed=0) -> tuple[float, float, f
     return float(stats.chisquare(obs, exp).pvalue), tv, float(np.mean(acc))
 
 
+def peaky_case() -> tuple:
+    """(target model, its FrozenTarget, prompt, exact 3-token joint): the χ² harness's fixed case."""
+    target = _peaky(5)
+    prompt = [3, 7, 1, 9, 12, 1, 10, 3, 1, 12]
+    return target, from_model(target), prompt, _exact_joint(target, prompt, SAMPLING)
+
+
 @pytest.mark.slow
 def test_sampled_exact_mode_matches_target_distribution():
-    target = _peaky(5)
-    tgt = from_model(target)
-    prompt = [3, 7, 1, 9, 12, 1, 10, 3, 1, 12]
-    joint = _exact_joint(target, prompt, SAMPLING)
+    _, tgt, prompt, joint = peaky_case()
     # a sampling draft model close to the target (accepts often) -> draft_probs are used
     drafter = DraftModelDrafter(_peaky(5, noise=0.02), k=2)
     p, tv, acc = _chi2(tgt, drafter, prompt, joint, 600, "exact")

@@ -91,12 +91,9 @@ def test_branch_is_a_tree_setting_of_any_head_and_off_at_zero():
 
 @pytest.mark.slow
 def test_sampled_exact_mode_with_the_branch_matches_target_distribution():
-    from test_baselines import SAMPLING, _chi2, _exact_joint, _peaky
+    from test_baselines import _chi2, peaky_case
 
-    target = _peaky(5)
-    tgt = from_model(target)
-    prompt = [3, 7, 1, 9, 12, 1, 10, 3, 1, 12]
-    joint = _exact_joint(target, prompt, SAMPLING)
+    _, tgt, prompt, joint = peaky_case()
     drafter = LookupBranch(EagleDrafter(_eagle(tgt, 1), EagleTreeConfig(top_k=2, depth=2, nodes=3)), 4)
     p, tv, acc = _chi2(tgt, drafter, prompt, joint, 600, "exact")
     print(f"eagle + lookup branch, exact: chi2 p={p:.3f} TV={tv:.3f} accepted/step={acc:.2f}")
