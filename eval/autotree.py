@@ -38,6 +38,7 @@ from draftheads.eval.calibration import Calibration, Timing, _book_line, _interp
 from draftheads.eval.generate import NoDrafter, generate
 from draftheads.eval.latency import monotone, t_verify_ms
 from draftheads.eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
+from draftheads.eval.tau import tau_value
 from draftheads.heads import registry
 
 log = logging.getLogger(__name__)
@@ -359,8 +360,7 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     becomes the merged tree's numbers (``head_only`` keeps the head stage's)."""
     eos = set(int(e) for e in eos)
     configs = [{**t, "lookup_branch": n} for t in trees for n in lengths]
-    runs = [({"head": i, "lookup_branch": n}, make(c, baselines))
-            for i, c in enumerate(configs) for n in [c["lookup_branch"]]]
+    runs = [({"lookup_branch": c["lookup_branch"]}, make(c, baselines)) for c in configs]
     generate(target, runs[0][1], calib.prompts[0], 8, ())  # untimed warm-up
     acc: list[list[int]] = [[] for _ in runs]
     widths: list[list[int]] = [[] for _ in runs]
@@ -376,7 +376,7 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     rows = []
     keys = [k for k in ("size", "top_k", "depth", "nodes") if k in (report.get("chosen") or {})]  # the head's knobs
     for c, a, w, t in zip(configs, acc, widths, timings):
-        tau = (sum(a) + len(a)) / max(1, len(a))
+        tau = tau_value(sum(a), len(a))
         tv = float(np.mean([t_verify(x) for x in w])) if w else t_verify(1)
         tb = book(float(np.mean(w)) if w else 1.0)
         knobs = {k: c[k] for k in keys}

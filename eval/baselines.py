@@ -242,13 +242,19 @@ def check_same_tokenizer(draft_tok: Any, target_tok: Any, what: str) -> None:
                          f"{len(b)}; first differing token {diff!r})")
 
 
+def prompt_lookup_from(options: Mapping[str, Any]) -> PromptLookupDrafter:
+    """Prompt lookup from baselines options (lookup_tokens, lookup_max_ngram, lookup_min_ngram); also the lookup
+    branch of a head's tree (eval/lookup_branch.py)."""
+    return PromptLookupDrafter(int(options.get("lookup_tokens", 10)), int(options.get("lookup_max_ngram", 3)),
+                               int(options.get("lookup_min_ngram", 1)))
+
+
 def build_baseline_drafter(kind: str, target: FrozenTarget, options: Mapping[str, Any] | None, dtype: torch.dtype,
                            ) -> tuple[Any, dict[str, Any]]:
     """``prompt_lookup`` or ``draft_model`` drafter from eval options (see conf/baselines/default.yaml)."""
     o = dict(options or {})
     if kind == "prompt_lookup":
-        d = PromptLookupDrafter(int(o.get("lookup_tokens", 10)), int(o.get("lookup_max_ngram", 3)),
-                                int(o.get("lookup_min_ngram", 1)))
+        d = prompt_lookup_from(o)
         return d, {"drafter": kind, "tree_size": d.num_tokens + 1, "tree_depth": d.num_tokens,
                    "max_ngram": d.max_ngram, "min_ngram": d.min_ngram}
     if kind == "draft_model":

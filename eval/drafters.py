@@ -107,17 +107,17 @@ def with_lookup_branch(drafter: Any, desc: dict[str, Any], tree_cfg: Any, baseli
                        ) -> tuple[Any, dict[str, Any]]:
     """Merge up to ``tree.lookup_branch`` prompt-lookup tokens into a head's tree (eval/lookup_branch.py); 0/null: off.
 
-    The n-gram lengths are the prompt-lookup baseline's (``baselines.lookup_max_ngram``/``lookup_min_ngram``)."""
+    The lookup is the prompt-lookup baseline's drafter, with its n-gram options from ``baselines``."""
     from draftheads.heads.job import config_int
 
     n = config_int(tree_cfg, "lookup_branch", 0, 0, "tree")
     if not n:
         return drafter, desc
+    from draftheads.eval.baselines import prompt_lookup_from
     from draftheads.eval.lookup_branch import LookupBranch
 
-    b = baselines or {}
-    hi, lo = int(b.get("lookup_max_ngram") or 3), int(b.get("lookup_min_ngram") or 1)
-    return LookupBranch(drafter, n, hi, lo), {**desc, "lookup_branch": n}
+    lookup = prompt_lookup_from({**dict(baselines or {}), "lookup_tokens": n})
+    return LookupBranch(drafter, lookup), {**desc, "lookup_branch": n}
 
 
 def build_medusa_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,

@@ -45,14 +45,14 @@ def merge_chain(tokens: torch.Tensor, parents: torch.Tensor, chain: Sequence[int
 
 
 class LookupBranch:
-    """Drafter protocol (eval.generate): ``inner``'s tree plus up to ``tokens`` prompt-lookup tokens per step.
+    """Drafter protocol (eval.generate): ``inner``'s tree plus ``lookup``'s proposal (prompt lookup) per step.
 
     The inner drafter is told about every accepted path (a path may run along the lookup branch: EAGLE's and
     Medusa's ``accept`` read only the accepted tokens and the target's hidden states there)."""
 
-    def __init__(self, inner: Any, tokens: int, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, inner: Any, lookup: PromptLookupDrafter):
         self.inner = inner
-        self.lookup = PromptLookupDrafter(tokens, max_ngram, min_ngram)
+        self.lookup = lookup  # its num_tokens caps the branch
         self.layers = tuple(getattr(inner, "layers", ()))
         self.merged_nodes = 0  # lookup nodes the head had not drafted, summed over steps (reports)
 

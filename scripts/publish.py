@@ -97,10 +97,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def branch_note(desc: dict[str, Any]) -> str:
-    """' + lookup branch N' when the head decoded with a prompt-lookup branch in its tree (tree.lookup_branch)."""
+def _with_branch(tree: Any, desc: dict[str, Any]) -> Any:
+    """``tree`` + ' + lookup branch N' when the head decoded with a prompt-lookup branch (tree.lookup_branch)."""
     n = desc.get("lookup_branch")
-    return f" + lookup branch {n}" if n else ""
+    return f"{tree} + lookup branch {n}" if n else tree
 
 
 def measure_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -115,8 +115,8 @@ def measure_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
             s = block["methods"][name]
             rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
                          "turns": s.get("turns"), "drafter": m.get("drafter") or m.get("kind"),
-                         "tree": f"{m.get('tree_kind')} ({m.get('tree_select')}, {m.get('tree_size')} verified)"
-                                 + branch_note(m),
+                         "tree": _with_branch(f"{m.get('tree_kind')} ({m.get('tree_select')}, "
+                                              f"{m.get('tree_size')} verified)", m),
                          "tree_size": m.get("tree_size"), "mode": "greedy", "dtype": r.get("dtype"),
                          "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
                          "tokens_per_s": s.get("tokens_per_s"),
@@ -141,7 +141,7 @@ def tau_rows(eval_files: list[Path]) -> list[dict[str, Any]]:
         s = r["summary"]
         d = r.get("drafter", {})
         rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
-                     "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": str(d.get("tree_source") or d.get("tree_kind") or d.get("tree")) + branch_note(d),
+                     "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": _with_branch(d.get("tree_source") or d.get("tree_kind") or d.get("tree"), d),
                      "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
                      "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
                      "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),

@@ -12,6 +12,7 @@ from conftest import tiny_model
 from draftheads.eval.drafters import with_lookup_branch
 from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig
 from draftheads.eval.generate import NoDrafter, generate
+from draftheads.eval.baselines import PromptLookupDrafter
 from draftheads.eval.lookup_branch import LookupBranch, merge_chain
 from draftheads.heads.eagle import EagleDraft, eagle_config_for
 from draftheads.heads.target import from_model
@@ -68,7 +69,7 @@ def test_greedy_with_the_branch_equals_plain_and_copies_repeats():
     for prompt in ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3] * 6, list(range(20, 50))):
         ref = generate(tgt, NoDrafter(), prompt, 40).tokens
         head = generate(tgt, EagleDrafter(d, EagleTreeConfig(top_k=3, depth=2, nodes=6)), prompt, 40)
-        drafter = LookupBranch(EagleDrafter(d, EagleTreeConfig(top_k=3, depth=2, nodes=6)), 6)
+        drafter = LookupBranch(EagleDrafter(d, EagleTreeConfig(top_k=3, depth=2, nodes=6)), PromptLookupDrafter(6))
         res = generate(tgt, drafter, prompt, 40)
         assert res.tokens == ref == head.tokens, prompt
         assert res.tau >= head.tau - 0.05, (res.tau, head.tau)
@@ -94,7 +95,8 @@ def test_sampled_exact_mode_with_the_branch_matches_target_distribution():
     from test_baselines import _chi2, peaky_case
 
     _, tgt, prompt, joint = peaky_case()
-    drafter = LookupBranch(EagleDrafter(_eagle(tgt, 1), EagleTreeConfig(top_k=2, depth=2, nodes=3)), 4)
+    drafter = LookupBranch(EagleDrafter(_eagle(tgt, 1), EagleTreeConfig(top_k=2, depth=2, nodes=3)),
+                           PromptLookupDrafter(4))
     p, tv, acc = _chi2(tgt, drafter, prompt, joint, 600, "exact")
     print(f"eagle + lookup branch, exact: chi2 p={p:.3f} TV={tv:.3f} accepted/step={acc:.2f}")
     assert p > 0.01 and tv < 0.1 and acc > 0.1
