@@ -188,7 +188,8 @@ def until(items: Any, deadline: float | None, clock: Any = time.monotonic):
 
 
 def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None) -> dict[str, Any]:
-    """Continuous batching over a static KV cache (see :mod:`data_prep.fastgen`)."""
+    """Continuous batching over a static KV cache (see :mod:`data_prep.fastgen`). Rows whose turn ended in a
+    step are refilled together: their next prompts go through one batched prefill."""
     tok = target.tokenizer
     eos, max_new, max_prompt = tok.eos_token_id, int(cfg.max_new_tokens), int(cfg.max_prompt_tokens)
     temp, top_k, top_p = float(cfg.temperature), int(cfg.top_k or 0), float(cfg.top_p)
@@ -197,27 +198,19 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
     rows: list[_Row | None] = [None] * slots
     next_tok = torch.zeros(slots, dtype=torch.long, device=dec.device)
     queue = until(todo, deadline)  # conversations in flight at the deadline still finish
-    stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "new_tokens": 0, "prefill_s": 0.0,
-             "decode_s": 0.0, "sample_s": 0.0}  # where the time goes (the rest: templating, bookkeeping)
+    stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefill_calls": 0, "decode_steps": 0, "new_tokens": 0,
+             "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0}  # where the time goes (the rest: templating)
 
-    def start_turn(i: int, r: _Row) -> bool | None:
-        """Prefill row i with the conversation so far and feed the first sampled token: True while the turn goes on,
-        False when it ended at once, None when the prompt is too long."""
-        r.msgs.append({"role": "user", "content": r.users[r.turn]})
-        ids = prompt_ids(tok, r.msgs)
-        if len(ids) > max_prompt:
+    def next_prompt(r: _Row) -> list[int] | None:
+        """The prompt of row r's next turn (the user turn appended), or None when the conversation is over."""
+        while r.turn < len(r.users):
+            r.msgs.append({"role": "user", "content": r.users[r.turn]})
+            ids = prompt_ids(tok, r.msgs)
+            if len(ids) <= max_prompt:
+                return ids
             r.msgs.pop()  # this turn's prompt grew too long: stop the conversation here
-            return None
-        keep = min(common_prefix(r.cached, ids), len(ids) - 1)  # earlier turns stay cached
-        t = time.perf_counter()
-        logits = dec.prefill(i, ids, keep)
-        stats["prefill_s"] += time.perf_counter() - t
-        stats["prefill_tokens"] += len(ids) - keep
-        stats["reused_tokens"] += keep
-        r.cached, r.gen = list(ids), []
-        if temp > 0:
-            r.rng = torch.Generator(device=dec.device).manual_seed(turn_seed(int(cfg.seed), r.conv.id, r.turn))
-        return feed(i, r, int(sample_next(logits[None], temp, top_k, top_p, [r.rng])[0]))
+            break
+        return None
 
     def feed(i: int, r: _Row, t: int) -> bool:
         """Take sampled token t for row i; True while the turn goes on (t is fed at the next step)."""
@@ -231,33 +224,68 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
         r.cached.append(t)
         return True
 
-    def settle(i: int, r: _Row | None) -> bool:
-        """Row i's turn ended: record it, go on with the next turn or conversation. False: the row is empty."""
-        while r is not None:
-            if len(r.finish) > r.turn:  # a turn just ended: its answer joins the history
-                r.msgs.append({"role": "assistant", "content": tok.decode(r.gen, skip_special_tokens=True)})
-                r.turn += 1
-            if r.turn < len(r.users):
-                going = start_turn(i, r)
-                if going:
-                    rows[i] = r
-                    return True
-                if going is False:
-                    continue  # answered with EOS at once
-            if r.turn > 0:  # at least one answer (a too-long first prompt gives none)
-                emit(r.conv, r.msgs, r.finish)
-            job = next(queue, None)
-            r = None if job is None else _Row(*job)
-        rows[i] = None
-        return False
+    def refill(free: list[int]) -> list[int]:
+        """Give each free row (its turn ended, or it is empty) its next turn or the next conversation; all their
+        prompts are prefilled together. Returns the rows left empty (no conversation left to start)."""
+        empty, todo_rows = [], list(free)
+        while todo_rows:
+            jobs = []
+            for i in todo_rows:
+                r = rows[i]
+                while True:
+                    if r is not None and len(r.finish) > r.turn:  # a turn just ended: its answer joins the history
+                        r.msgs.append({"role": "assistant", "content": tok.decode(r.gen, skip_special_tokens=True)})
+                        r.turn += 1
+                    ids = None if r is None else next_prompt(r)
+                    if ids is not None:
+                        break
+                    if r is not None and r.turn > 0:  # at least one answer (a too-long first prompt gives none)
+                        emit(r.conv, r.msgs, r.finish)
+                    job = next(queue, None)
+                    r = None if job is None else _Row(*job)
+                    if r is None:
+                        break
+                rows[i] = r
+                if r is None:
+                    empty.append(i)
+                else:
+                    keep = min(common_prefix(r.cached, ids), len(ids) - 1)  # earlier turns stay cached
+                    jobs.append((i, ids, keep))
+            todo_rows = []
+            for chunk in _token_chunks(jobs, dec.PREFILL_TOKENS):
+                n = sum(len(ids) - keep for _, ids, keep in chunk)
+                t = time.perf_counter()
+                logits = dec.prefill_many(chunk)  # [n, V]
+                stats["prefill_s"] += time.perf_counter() - t
+                stats["prefill_calls"] += 1
+                stats["prefill_tokens"] += n
+                for (i, ids, keep), lg in zip(chunk, logits):
+                    r = rows[i]
+                    stats["reused_tokens"] += keep
+                    r.cached, r.gen = list(ids), []
+                    if temp > 0:
+                        r.rng = torch.Generator(device=dec.device).manual_seed(
+                            turn_seed(int(cfg.seed), r.conv.id, r.turn))
+                    if not feed(i, r, int(sample_next(lg[None], temp, top_k, top_p, [r.rng])[0])):
+                        todo_rows.append(i)  # answered with EOS at once: settle it again
+        return empty
 
-    width = 0
-    for _ in range(slots):  # fill every slot (settle draws further jobs when one ends at once)
-        job = next(queue, None)
-        if job is None or not settle(width, _Row(*job)):
-            break
-        width += 1
+    def compact(empty: list[int], width: int) -> int:
+        """Retire the empty rows: the last live row moves down into each (high to low), so rows stay dense."""
+        for i in sorted(empty, reverse=True):
+            width -= 1
+            if i != width:
+                dec.move(width, i)
+                rows[i], rows[width] = rows[width], None
+                next_tok[i] = next_tok[width]
+        return width
+
+    t_start = time.perf_counter()
+    width = compact(refill(list(range(slots))), slots)
     while width > 0:
+        if width < slots and "drained_s" not in stats:  # the queue ran dry: from here on rows only retire
+            stats["drained_s"] = time.perf_counter() - t_start
+            stats["new_tokens_before_drain"] = stats["new_tokens"]
         t = time.perf_counter()
         logits = dec.decode(next_tok[:width])  # [w, V]
         t1 = time.perf_counter()
@@ -266,15 +294,24 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
         stats["sample_s"] += time.perf_counter() - t1
         stats["decode_steps"] += 1
         done = [i for i in range(width) if not feed(i, rows[i], toks[i])]
-        for i in reversed(done):  # high to low: rows above i are settled, so the last live row can move down
-            if not settle(i, rows[i]):
-                width -= 1
-                if i != width:
-                    dec.move(width, i)
-                    rows[i], rows[width] = rows[width], None
-                    next_tok[i] = next_tok[width]
+        if not done:
+            continue
+        width = compact(refill(done), width)
     stats.update(describe(dec))
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}
+
+
+def _token_chunks(jobs: list[tuple[int, list[int], int]], tokens: int):
+    """``jobs`` (row, ids, keep) in runs of about ``tokens`` new tokens each (one batched prefill per run)."""
+    chunk, n = [], 0
+    for j in jobs:
+        chunk.append(j)
+        n += len(j[1]) - j[2]
+        if n >= tokens:
+            yield chunk
+            chunk, n = [], 0
+    if chunk:
+        yield chunk
 
 
 def run_hf(target, todo: list, cfg: Any, emit, deadline: float | None = None) -> dict[str, Any]:
@@ -309,7 +346,8 @@ def run_hf(target, todo: list, cfg: Any, emit, deadline: float | None = None) ->
 
 def select_prompts(cfg: DictConfig, tok, done: set[str], seen: set[str]) -> tuple[list, dict[str, Any]]:
     """Training-split conversations still to distill, as (conversation, system, user turns), sorted by first
-    prompt length (similar lengths share a batch); plus counts of what was skipped and why."""
+    prompt length within blocks of ``sort_block`` (similar lengths share a batch); plus counts of what was skipped
+    and why."""
     dcfg = DataConfig.from_any(cfg.data)
     eval_files = list(cfg.get("eval_questions") or [])
     refuse_eval_source(dcfg.path if dcfg.source == "file" else None, eval_files)
@@ -345,7 +383,13 @@ def select_prompts(cfg: DictConfig, tok, done: set[str], seen: set[str]) -> tupl
         seen.add(sig)
         lens[c.id] = n_first
         todo.append((c, system, ask))
-    todo.sort(key=lambda x: lens[x[0].id])  # similar prompt lengths run together: less padding / ragged cache
+    block = cfg.get("sort_block")
+    block = len(todo) or 1 if block is None else int(block)
+    if block < 1:
+        raise ValueError(f"sort_block must be a whole number >= 1 or null, got {cfg.get('sort_block')!r}")
+    # similar prompt lengths run together (less ragged cache), but only within blocks in the split's order: a job
+    # cut short by max_minutes has covered every prompt length, not just the shortest prompts
+    todo = [x for b in range(0, len(todo), block) for x in sorted(todo[b:b + block], key=lambda x: lens[x[0].id])]
     info = {"source_conversations": len(convs), "train_split": len(train), "heldout_split_untouched": len(held),
             "eval_question_files": eval_read, "eval_prompts_excluded": len(banned), "skipped": skipped}
     return todo, info

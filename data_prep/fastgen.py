@@ -3,14 +3,16 @@
 Why not ``model.generate``: a left-padded batch attends over every row's padding, recomputes the whole
 conversation for each later turn, sits idle on rows that already finished, and repeats KV heads for grouped-query
 attention (``repeat_kv`` copies the cache every step). Here every row ("slot") of one preallocated cache holds one
-sequence at its own length (the cache is resized only in 64-position chunks, as the longest live row grows or
-retires): a finished row is refilled with the next prompt at once (continuous batching), a later turn reuses the
-cached tokens it shares with the earlier ones (only the new suffix is prefilled), attention reads each KV head once
-for its whole query group, and the lm_head runs only on the positions that are sampled.
+sequence at its own length (the cache is laid out for the longest live row, in 64-position chunks, and re-laid out
+in place as that grows or retires): a finished row is refilled with the next prompt at once (continuous batching;
+the rows freed in one step are prefilled together, as one sequence through the linear layers), a later turn reuses
+the cached tokens it shares with the earlier ones (only the new suffix is prefilled), attention reads each KV head
+once for its whole query group, q|k|v and gate|up are one matmul each, and the lm_head runs only on the positions
+that are sampled.
 
-It runs the Hugging Face modules themselves (their Linear, norm, MLP and rotary layers) in a leaner loop, so
-weights, dtype and RoPE variants stay the model's own; architectures outside :data:`SUPPORTED` fall back to
-``generate`` in the caller.
+It runs the Hugging Face modules themselves (their Linear, norm, MLP and rotary layers, with q|k|v and gate|up
+weights concatenated from theirs) in a leaner loop, so weights, dtype and RoPE variants stay the model's own;
+architectures outside :data:`SUPPORTED` fall back to ``generate`` in the caller.
 """
 
 from __future__ import annotations
@@ -54,83 +56,137 @@ class SlotDecoder:
         self.group = self.n_heads // self.n_kv
         self.scale = self.head_dim ** -0.5
         self.slots, self.max_len = slots, max_len
-        self.cap = 0  # positions allocated per row: grows and shrinks with the longest live row (see _fit)
+        self.cap = 0  # positions laid out per row: grows and shrinks with the longest live row (see _fit)
+        self._buf: list[torch.Tensor] = []  # per layer, K then V: flat [slots * KVH * max_len * D]
+        self._zeroed = 0  # leading elements of every buffer written at least once (zeroed or cached)
         self.k: list[torch.Tensor] = []  # per layer [B, KVH, cap, D]
         self.v: list[torch.Tensor] = []
         self._fit(min(max_len, self.CHUNK))
         self.lens = torch.zeros(slots, dtype=torch.long, device=self.device)  # cached tokens per row
         self.rope = sys.modules[type(self.base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.fused = [self._fuse(layer) for layer in self.base.layers]
+
+    @staticmethod
+    @torch.no_grad()
+    def _fuse(layer: nn.Module) -> dict[str, torch.Tensor | None]:
+        """One weight for q|k|v and one for gate|up: two matmuls per block instead of five (at decode widths the
+        small k/v products ran well below the GEMM's throughput). Copies of the layer's own weights."""
+        a, m = layer.self_attn, layer.mlp
+        bias = [lin.bias for lin in (a.q_proj, a.k_proj, a.v_proj)]
+        return {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                "qkv_bias": torch.cat(bias) if all(b is not None for b in bias) else None,
+                "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight])}
 
     CHUNK = 64  # capacity steps: a reallocation every 64 decode steps at most
 
     @torch.inference_mode()
     def _fit(self, need: int) -> None:
-        """Reallocate the cache to ``need`` positions rounded up to a chunk, keeping what fits.
+        """Re-lay the cache out for ``need`` positions per row, rounded up to a chunk, keeping what fits.
 
         Why: decode attends over the whole ``[:w]`` block of the cache, which is contiguous only when the
         capacity is the attended length; a strided slice made every attention matmul copy K and V first
         (3-4x slower in bf16 on CPU). A capacity that follows the longest live row wastes < 64 masked
-        positions instead."""
+        positions instead. Each layer's cache is one flat buffer for ``max_len`` positions, allocated once and
+        re-laid out in place: allocating a fresh multi-GiB cache at every change (page faults) took 3 s each,
+        a fifth of a distillation job's time."""
         cap = min(self.max_len, -(-need // self.CHUNK) * self.CHUNK)
         if cap == self.cap:
             return
-        keep = min(cap, self.cap)
-        L = self.model.config.num_hidden_layers
-        shape = (self.slots, self.n_kv, cap, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(L)]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(L)]
-        for old, new in zip(self.k + self.v, new_k + new_v):
-            new[:, :, :keep] = old[:, :, :keep]
-        self.k, self.v, self.cap = new_k, new_v, cap
+        n, D, old = self.slots * self.n_kv, self.head_dim, self.cap
+        if not self._buf:  # first call: the buffers, never-written tail left uninitialized (zeroed on first use)
+            numel = n * self.max_len * D
+            L = self.model.config.num_hidden_layers
+            self._buf = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(2 * L)]
+        if n * cap * D > self._zeroed:  # positions never written must hold finite values (they are masked)
+            for buf in self._buf:
+                buf[self._zeroed:n * cap * D].zero_()
+            self._zeroed = n * cap * D
+        if old:
+            for buf in self._buf:
+                _relayout(buf, n, old, cap, D)
+        views = [buf[:n * cap * D].view(self.slots, self.n_kv, cap, D) for buf in self._buf]
+        half = len(views) // 2
+        self.k, self.v, self.cap = views[:half], views[half:], cap
 
     # ---- the blocks
     def _qkv(self, attn: nn.Module, h: torch.Tensor, pos: torch.Tensor):
         """Projected, normed (Qwen3) and rotated q [n, H, T, D], k, v [n, KVH, T, D] for hidden h [n, T, hid]."""
         n, T, _ = h.shape
-        q = attn.q_proj(h).view(n, T, self.n_heads, self.head_dim)
-        k = attn.k_proj(h).view(n, T, self.n_kv, self.head_dim)
-        v = attn.v_proj(h).view(n, T, self.n_kv, self.head_dim).transpose(1, 2)
+        f = self.fused[attn.layer_idx]
+        qkv = nn.functional.linear(h, f["qkv"], f["qkv_bias"])  # [n, T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], -1)
+        q = q.view(n, T, self.n_heads, self.head_dim)
+        k = k.view(n, T, self.n_kv, self.head_dim)
+        v = v.reshape(n, T, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self._cos_sin
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q, k, v
 
+    @staticmethod
+    def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm (fp32 statistics, weight applied in the input dtype) as one fused kernel."""
+        y = nn.functional.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon)
+        return norm.weight * y.to(x.dtype)
+
     def _block(self, layer: nn.Module, x: torch.Tensor, attend) -> torch.Tensor:
-        h = layer.input_layernorm(x)
-        a = attend(layer.self_attn, h)  # [n, T, H*D]
+        a = attend(layer.self_attn, self._norm(layer.input_layernorm, x))  # [n, T, H*D]
         x = x + layer.self_attn.o_proj(a)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        m = layer.mlp
+        gate, up = nn.functional.linear(self._norm(layer.post_attention_layernorm, x),
+                                        self.fused[layer.self_attn.layer_idx]["gate_up"]).chunk(2, -1)
+        return x + m.down_proj(m.act_fn(gate) * up)
 
     # ---- public
-    @torch.inference_mode()
     def prefill(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
         """Write ``ids[start:]`` into ``row`` after its first ``start`` cached tokens (kept: a shared prefix of the
         conversation); returns the logits [V] that follow the last id."""
-        T = len(ids) - start
-        if T <= 0 or len(ids) > self.max_len:
-            raise ValueError(f"prefill of {len(ids)} ids from {start} does not fit a row of {self.max_len}")
-        if len(ids) > self.cap:
-            self._fit(len(ids))
-        x = self.base.embed_tokens(torch.tensor([ids[start:]], device=self.device))  # [1, T, hid]
-        pos = torch.arange(start, len(ids), device=self.device)[None]  # [1, T]
-        self._cos_sin = self.base.rotary_emb(x, pos)
-        mask = torch.ones(T, len(ids), dtype=torch.bool, device=self.device).tril(start)  # [T, S] causal
+        return self.prefill_many([(row, ids, start)])[0]
+
+    PREFILL_TOKENS = 2048  # new tokens per prefill forward: long enough that the GEMMs run near their peak
+
+    @torch.inference_mode()
+    def prefill_many(self, jobs: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """:meth:`prefill` for several rows ``(row, ids, start)`` in one forward; returns logits [n, V] (fp32).
+
+        Why: one prompt of ~100 tokens makes GEMMs too short to amortize reading the weights (prefill ran at
+        ~650 tokens/s, decode of 128 rows at ~800); here the linear layers see every row's new tokens as one
+        sequence and only attention runs per row (each over its own cache, causal from its ``start``)."""
+        for row, ids, start in jobs:
+            if len(ids) - start <= 0 or len(ids) > self.max_len:
+                raise ValueError(f"prefill of {len(ids)} ids from {start} does not fit a row of {self.max_len}")
+        need = max(len(ids) for _, ids, _ in jobs)
+        if need > self.cap:
+            self._fit(need)
+        spans, flat, pos = [], [], []
+        for row, ids, start in jobs:
+            spans.append((row, len(flat), len(ids) - start, start))
+            flat += ids[start:]
+            pos += range(start, len(ids))
+        x = self.base.embed_tokens(torch.tensor([flat], device=self.device))  # [1, ΣT, hid]
+        self._cos_sin = self.base.rotary_emb(x, torch.tensor([pos], device=self.device))
 
         def attend(attn, h):
-            q, k, v = self._qkv(attn, h, pos)
-            li = attn.layer_idx
-            self.k[li][row, :, start:len(ids)] = k[0]
-            self.v[li][row, :, start:len(ids)] = v[0]
-            K, V = self.k[li][row:row + 1, :, :len(ids)], self.v[li][row:row + 1, :, :len(ids)]
-            o = nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=self.scale,
-                                                           enable_gqa=self.group > 1)  # [1, H, T, D]
-            return o.transpose(1, 2).reshape(1, T, -1)
+            q, k, v = self._qkv(attn, h, None)  # q [1, H, ΣT, D]; k, v [1, KVH, ΣT, D]
+            li, out = attn.layer_idx, []
+            for row, a, T, start in spans:
+                end = start + T
+                self.k[li][row, :, start:end] = k[0, :, a:a + T]
+                self.v[li][row, :, start:end] = v[0, :, a:a + T]
+                K, V = self.k[li][row:row + 1, :, :end], self.v[li][row:row + 1, :, :end]
+                mask = torch.ones(T, end, dtype=torch.bool, device=self.device).tril(start)  # [T, S] causal
+                o = nn.functional.scaled_dot_product_attention(q[:, :, a:a + T], K, V, attn_mask=mask,
+                                                               scale=self.scale, enable_gqa=self.group > 1)
+                out.append(o[0].transpose(0, 1).reshape(T, -1))  # [T, H*D]
+            return torch.cat(out)[None]
 
         for layer in self.base.layers:
             x = self._block(layer, x, attend)
-        self.lens[row] = len(ids)
-        return self.model.get_output_embeddings()(self.base.norm(x[:, -1]))[0].float()  # [V]
+        last = torch.tensor([a + T - 1 for _, a, T, _ in spans], device=self.device)
+        for row, ids, _ in jobs:
+            self.lens[row] = len(ids)
+        return self.model.get_output_embeddings()(self._norm(self.base.norm, x[0, last])).float()  # [n, V]
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -163,7 +219,7 @@ class SlotDecoder:
         for layer in self.base.layers:
             x = self._block(layer, x, attend)
         self.lens[:w] += 1
-        return self.model.get_output_embeddings()(self.base.norm(x[:, 0])).float()  # [w, V]
+        return self.model.get_output_embeddings()(self._norm(self.base.norm, x[:, 0])).float()  # [w, V]
 
     GROUPS = 4  # row groups for ragged attention
     GROUP_GAIN = 4  # group only when that reads this many times fewer keys (gathering rows copies them)
@@ -192,7 +248,7 @@ class SlotDecoder:
 
     def _attend(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q [n, KVH, G, D] over K, V [n, KVH, S, D] with an additive mask [n, 1, 1, S]; fp32 softmax."""
-        s = torch.matmul(q, K.transpose(-1, -2)).float() * self.scale + bias  # [n, KVH, G, S]
+        s = torch.matmul(q * self.scale, K.transpose(-1, -2)).float().add_(bias)  # [n, KVH, G, S]
         return torch.matmul(s.softmax(-1).to(V.dtype), V)  # [n, KVH, G, D]
 
     @torch.inference_mode()
@@ -203,6 +259,38 @@ class SlotDecoder:
             K[dst, :, :n] = K[src, :, :n]
             V[dst, :, :n] = V[src, :, :n]
         self.lens[dst] = n
+
+
+def _relayout(buf: torch.Tensor, n: int, old: int, cap: int, D: int) -> None:
+    """In one flat buffer, move ``n`` blocks of ``old`` x ``D`` (block b at ``b*old*D``) to blocks of ``cap`` x
+    ``D`` (at ``b*cap*D``), keeping each block's first ``min(old, cap)`` rows, without a second buffer.
+
+    Growing moves blocks up, so it runs from the last block down, shrinking from the first up; each run copies
+    the longest group of blocks whose source and destination do not overlap (a single overlapping block is
+    cloned first), so a step of one chunk costs ~100 copies instead of one per block."""
+    keep = min(old, cap)
+    src = lambda b0, b1: buf[b0 * old * D:b1 * old * D].view(b1 - b0, old, D)[:, :keep]  # noqa: E731
+    dst = lambda b0, b1: buf[b0 * cap * D:b1 * cap * D].view(b1 - b0, cap, D)[:, :keep]  # noqa: E731
+    if cap > old:
+        b1 = n
+        while b1 > 0:
+            b0 = -(-b1 * old // cap)  # destination of b0.. starts at or after the source of ..b1 ends
+            if b0 >= b1:
+                b0 = b1 - 1
+                dst(b0, b1).copy_(src(b0, b1).clone())
+            else:
+                dst(b0, b1).copy_(src(b0, b1))
+            b1 = b0
+    else:
+        b0 = 1  # block 0 stays where it is
+        while b0 < n:
+            b1 = min(n, b0 * old // cap)  # destination of ..b1 ends at or before the source of b0.. starts
+            if b1 <= b0:
+                b1 = b0 + 1
+                dst(b0, b1).copy_(src(b0, b1).clone())
+            else:
+                dst(b0, b1).copy_(src(b0, b1))
+            b0 = b1
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

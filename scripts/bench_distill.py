@@ -7,7 +7,9 @@ Why: the distill job's speed decides how much training data a CPU can make (issu
 for SmolLM2-135M on a 2-core CPU). This runs the job's own engines (``data_prep.distill.run_slots`` and
 ``run_hf``) one after the other in one process on the first ``--prompts`` conversations of ShareGPT's training
 split (the job's own prompt selection: eval prompts excluded, greedy duplicates skipped, sorted by length), so the
-ratio between them is measured in one time window. Shared machines are noisy: the JSON records the load average
+ratio between them is measured in one time window. ``tokens_per_s_all_rows_busy`` is the slot engine's rate
+until its queue ran dry (every row working): what a job over thousands of conversations runs at; the overall
+figure also holds the tail, where rows retire one by one and the longest prompts of the sort run last. Shared machines are noisy: the JSON records the load average
 before and after each engine, the threads, the dtype and the host's CPU flags next to every figure, and the slot
 engine's split of its time (prefill, decode forward, sampling). ``--profile N`` adds a torch profile of N decode
 steps (top ops by CPU time).
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = OmegaConf.create({
         "data": {"name": "sharegpt", "source": "sharegpt", "path": None, "heldout_fraction": 0.02, "split_seed": 0,
                  "split_by": "prompt", "on_error": "skip"},
-        "num_conversations": args.prompts, "turns": args.turns, "batch_size": args.batch,
+        "num_conversations": args.prompts, "turns": args.turns, "batch_size": args.batch, "sort_block": 2048,
         "max_new_tokens": args.new, "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
         "top_p": 1.0, "top_k": 0, "seed": 0, "eval_questions": [str(REPO.parent / "shared/data/mt_bench.jsonl")]})
     todo, info = select_prompts(cfg, target.tokenizer, *read_done(Path("/nonexistent")))
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
                                   "new_tokens": stats["new_tokens"],
                                   "tokens_per_s": round(stats["new_tokens"] / dt, 1), "load_before": before,
                                   "load_after": load_avg(), "stats": stats}
+        if stats.get("drained_s"):  # every row busy until the queue ran dry: what a long job runs at
+            res["engines"][engine]["tokens_per_s_all_rows_busy"] = round(
+                stats["new_tokens_before_drain"] / stats["drained_s"], 1)
         print(engine, json.dumps(res["engines"][engine]), flush=True)
     e = res["engines"]
     if "slots" in e and "hf" in e:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import compose
 from draftheads.data_prep.dataset import prepare_data
 from draftheads.data_prep.distill import main as distill_main
@@ -340,3 +342,20 @@ def test_max_minutes_stops_between_conversations_and_a_rerun_goes_on(tmp_path, t
 
     with pytest.raises(ValueError, match="max_minutes"):
         distill_main(_cfg(tiny_target_dir, data, out, "max_minutes=-1"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 40), old=st.integers(1, 12), cap=st.integers(1, 12), D=st.integers(1, 3))
+def test_relayout_in_place_keeps_every_block(n, old, cap, D):
+    """The KV cache's in-place re-layout (fastgen._relayout): after growing or shrinking the per-block capacity,
+    every block's first min(old, cap) rows hold what they held, with no second buffer."""
+    import torch
+
+    from draftheads.data_prep.fastgen import _relayout
+
+    buf = torch.full((n * max(old, cap) * D,), float("nan"))
+    buf[:n * old * D] = torch.arange(n * old * D, dtype=torch.float32)
+    before = buf[:n * old * D].view(n, old, D).clone()
+    _relayout(buf, n, old, cap, D)
+    keep = min(old, cap)
+    assert torch.equal(buf[:n * cap * D].view(n, cap, D)[:, :keep], before[:, :keep])
