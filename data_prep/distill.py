@@ -224,6 +224,23 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
         r.cached.append(t)
         return True
 
+    def advance(r: _Row | None) -> tuple[_Row | None, list[int] | None]:
+        """Row r's next prompt, going on to the next conversation when r's is over (emitting it):
+        (row, prompt ids), or (None, None) when no conversation is left to start."""
+        while True:
+            if r is not None and len(r.finish) > r.turn:  # a turn just ended: its answer joins the history
+                r.msgs.append({"role": "assistant", "content": tok.decode(r.gen, skip_special_tokens=True)})
+                r.turn += 1
+            ids = None if r is None else next_prompt(r)
+            if ids is not None:
+                return r, ids
+            if r is not None and r.turn > 0:  # at least one answer (a too-long first prompt gives none)
+                emit(r.conv, r.msgs, r.finish)
+            job = next(queue, None)
+            if job is None:
+                return None, None
+            r = _Row(*job)
+
     def refill(free: list[int]) -> list[int]:
         """Give each free row (its turn ended, or it is empty) its next turn or the next conversation; all their
         prompts are prefilled together. Returns the rows left empty (no conversation left to start)."""
@@ -231,25 +248,11 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
         while todo_rows:
             jobs = []
             for i in todo_rows:
-                r = rows[i]
-                while True:
-                    if r is not None and len(r.finish) > r.turn:  # a turn just ended: its answer joins the history
-                        r.msgs.append({"role": "assistant", "content": tok.decode(r.gen, skip_special_tokens=True)})
-                        r.turn += 1
-                    ids = None if r is None else next_prompt(r)
-                    if ids is not None:
-                        break
-                    if r is not None and r.turn > 0:  # at least one answer (a too-long first prompt gives none)
-                        emit(r.conv, r.msgs, r.finish)
-                    job = next(queue, None)
-                    r = None if job is None else _Row(*job)
-                    if r is None:
-                        break
-                rows[i] = r
-                if r is None:
+                rows[i], ids = advance(rows[i])
+                if ids is None:
                     empty.append(i)
                 else:
-                    keep = min(common_prefix(r.cached, ids), len(ids) - 1)  # earlier turns stay cached
+                    keep = min(common_prefix(rows[i].cached, ids), len(ids) - 1)  # earlier turns stay cached
                     jobs.append((i, ids, keep))
             todo_rows = []
             for chunk in _token_chunks(jobs, dec.PREFILL_TOKENS):

@@ -70,12 +70,18 @@ class SlotDecoder:
     @torch.no_grad()
     def _fuse(layer: nn.Module) -> dict[str, torch.Tensor | None]:
         """One weight for q|k|v and one for gate|up: two matmuls per block instead of five (at decode widths the
-        small k/v products ran well below the GEMM's throughput). Copies of the layer's own weights."""
+        small k/v products ran well below the GEMM's throughput). The layer's own Linear weights become views
+        into the fused ones, so the model holds each weight once."""
         a, m = layer.self_attn, layer.mlp
+        fused: dict[str, torch.Tensor | None] = {}
+        for key, lins in (("qkv", (a.q_proj, a.k_proj, a.v_proj)), ("gate_up", (m.gate_proj, m.up_proj))):
+            w = torch.cat([lin.weight for lin in lins])
+            for lin, part in zip(lins, w.split([lin.weight.shape[0] for lin in lins])):
+                lin.weight.data = part
+            fused[key] = w
         bias = [lin.bias for lin in (a.q_proj, a.k_proj, a.v_proj)]
-        return {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                "qkv_bias": torch.cat(bias) if all(b is not None for b in bias) else None,
-                "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight])}
+        fused["qkv_bias"] = torch.cat(bias) if all(b is not None for b in bias) else None
+        return fused
 
     CHUNK = 64  # capacity steps: a reallocation every 64 decode steps at most
 

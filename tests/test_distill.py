@@ -359,3 +359,34 @@ def test_relayout_in_place_keeps_every_block(n, old, cap, D):
     _relayout(buf, n, old, cap, D)
     keep = min(old, cap)
     assert torch.equal(buf[:n * cap * D].view(n, cap, D)[:, :keep], before[:, :keep])
+
+
+def test_prompts_are_sorted_by_length_within_blocks_of_the_split_order(tmp_path, tiny_target_dir):
+    """sort_block=k: each run of k prompts (in the split's order) is sorted by prompt length, so a job cut short by
+    max_minutes has seen long and short prompts alike; null sorts the whole selection; 0 is refused by name."""
+    import pytest
+
+    from draftheads.data_prep.distill import select_prompts
+    from draftheads.data_prep.template import ensure_chat_template
+
+    recs = [{"id": f"q{i}", "conversations": [{"from": "human", "value": " ".join(["item"] * (1 + (7 * i) % 23))},
+                                              {"from": "gpt", "value": "ok"}]} for i in range(40)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tok = load_target({"name": str(tiny_target_dir), "dtype": "fp32"}).tokenizer
+    ensure_chat_template(tok)
+
+    def order(block):
+        cfg = _cfg(tiny_target_dir, data, tmp_path / "o.jsonl", f"sort_block={block}")
+        todo, _ = select_prompts(cfg, tok, set(), set())
+        return [(c.id, len(prompt_ids(tok, s + [{"role": "user", "content": u[0]}]))) for c, s, u in todo]
+
+    whole, blocks = order("null"), order(5)
+    assert [n for _, n in whole] == sorted(n for _, n in whole)
+    assert sorted(whole) == sorted(blocks) and [n for _, n in blocks] != [n for _, n in whole]
+    for b in range(0, len(blocks), 5):
+        chunk = [n for _, n in blocks[b:b + 5]]
+        assert chunk == sorted(chunk)
+    assert max(n for _, n in blocks[:5]) > whole[4][1]  # the first block is not just the five shortest prompts
+    with pytest.raises(ValueError, match="sort_block"):
+        order(0)
