@@ -390,3 +390,18 @@ def test_prompts_are_sorted_by_length_within_blocks_of_the_split_order(tmp_path,
     assert max(n for _, n in blocks[:5]) > whole[4][1]  # the first block is not just the five shortest prompts
     with pytest.raises(ValueError, match="sort_block"):
         order(0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.integers(2, 300), levels=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+def test_greedy_pick_on_bf16_logits_is_the_fp32_argmax(rows, vocab, levels, seed):
+    """The slot engine returns logits in the model's dtype; the greedy pick on them is the argmax of their exact
+    fp32 upcast, ties included (first maximum), for any row count, vocabulary and number of distinct values."""
+    import torch
+
+    from draftheads.data_prep.fastgen import sample_next
+
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randint(0, levels, (rows, vocab), generator=g).float() / 3).to(torch.bfloat16)  # many ties
+    got = sample_next(logits, 0.0, 0, 1.0, [None] * rows)
+    assert torch.equal(got, logits.float().argmax(-1))
