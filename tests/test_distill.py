@@ -405,3 +405,22 @@ def test_greedy_pick_on_bf16_logits_is_the_fp32_argmax(rows, vocab, levels, seed
     logits = (torch.randint(0, levels, (rows, vocab), generator=g).float() / 3).to(torch.bfloat16)  # many ties
     got = sample_next(logits, 0.0, 0, 1.0, [None] * rows)
     assert torch.equal(got, logits.float().argmax(-1))
+
+
+def test_keys_read_per_cached_counts_the_padding_attention_reads(tiny_target_dir):
+    """The summary's attention_keys_read_per_cached: one row of 10 cached tokens decoding 3 steps reads the whole
+    64-position capacity each step (3 x 64 keys) for 11 + 12 + 13 keys it holds; the logits keep the model's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftheads.data_prep.fastgen import SlotDecoder, describe
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    dec = SlotDecoder(m, 1, 64)
+    nxt = dec.prefill(0, list(range(3, 13))).argmax()[None]
+    for _ in range(3):
+        logits = dec.decode(nxt)
+        nxt = logits.argmax(-1)
+    assert logits.dtype == torch.float32 and dec.cap == 64
+    assert (dec.keys_read, dec.keys_cached) == (3 * 64, 11 + 12 + 13)
+    assert describe(dec)["attention_keys_read_per_cached"] == round(192 / 36, 3)
