@@ -70,6 +70,7 @@ class TrainConfig:
     save_every: int = 100
     keep_last: int = 2
     resume: bool = False
+    overwrite: bool = False
     resume_allow_data_change: bool = False
     eval_every: int = 0
     eval_tokens: int = 20000

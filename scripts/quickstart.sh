@@ -18,7 +18,7 @@ QARG=(); [ -n "$QUESTIONS" ] && QARG=(questions="$QUESTIONS")
 
 python data_prep/prepare.py data=sharegpt_small
 python train/medusa.py data=sharegpt_small run_name=quickstart out_dir="$RUN" \
-  train.max_steps="$STEPS" train.batch_size=4 head.share_lm_head=true optim.lr=2e-3 train.save_every=50
+  train.max_steps="$STEPS" train.batch_size=4 head.share_lm_head=true optim.lr=2e-3 train.save_every=50 train.overwrite=true
 # tree=auto sizes each tree (and its prompt-lookup branch) on 4 held-out calibration prompts of 32 tokens instead of
 # the default 8 of 64: a quarter of the calibration time, so the quickstart stays short
 EVAL=(data=sharegpt_small "${QARG[@]}" max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW"

@@ -129,7 +129,7 @@ def _train_run(ws: Path, a: dict[str, Path]) -> Path:
         else:
             for c in (d / "checkpoints").iterdir():
                 shutil.rmtree(c / "trainer_state")
-    for name in ("other_data", "other_heads"):
+    for name in ("other_data", "other_heads", "rerun"):
         shutil.copytree(out, ws / f"run-{name}")
     from draftheads.heads.eagle import EagleDraft, eagle_config_for
     from draftheads.heads.target import load_target
@@ -205,6 +205,8 @@ def cases(ws: Path, a: dict[str, Path]) -> list[Case]:
              resume("other_data", "data.max_length=48", "train.max_steps=8"), 2),
         Case("train", "`train.resume=true` with a different `head.num_heads`", "train/medusa.py",
              resume("other_heads", "head.num_heads=3", "train.max_steps=8"), 2),
+        Case("train", "The same training command rerun into the earlier run's `out_dir` (no `train.resume`)",
+             "train/medusa.py", train + ["train.device=cpu", f"out_dir={ws / 'run-rerun'}", "train.save_every=3"], 2),
         Case("eval", "`max_new_tokens=0`", "eval/acceptance.py", ev + ["max_new_tokens=0"], 2),
         Case("eval", "`max_questions=0`", "eval/acceptance.py", ev + ["max_questions=0"], 2),
         Case("eval", "`max_turns=0`", "eval/acceptance.py", ev + ["max_turns=0"], 2),

@@ -157,3 +157,18 @@ def test_empty_heldout_split_loads(tmp_path, chat_file):
     d = prepare_data(cfg, make_tokenizer(CHATML))
     assert len(d.heldout) == 0 and len(d.train) == 240
     assert len(prepare_data(cfg, make_tokenizer(CHATML)).heldout) == 0  # the cached copy reads back too
+
+
+def test_rerun_without_resume_is_refused_and_overwrite_starts_over(tmp_path, tiny_target_dir, chat_file):
+    """Rerunning a training command into an earlier run's folder without train.resume=true used to start over
+    silently, appending to its metrics and pruning through keep_last; now it names both ways out."""
+    kw = {"train.max_steps": 4, "train.save_every": 2, "train.keep_last": 5, "train.log_every": 1}
+    _, out = _run(tmp_path, tiny_target_dir, chat_file, "r", **kw)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    with pytest.raises(ValueError, match=r"step-000004\).*train\.resume=true.*train\.overwrite=true"):
+        _run(tmp_path, tiny_target_dir, chat_file, "r", **{**kw, "train.max_steps": 2})
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]  # untouched
+    _run(tmp_path, tiny_target_dir, chat_file, "r", **{**kw, "train.max_steps": 2, "train.overwrite": "true"})
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]  # its own; step 4 gone
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert set(steps) == {1, 2}  # the earlier run's rows (steps 3, 4) are gone, not mixed in

@@ -116,6 +116,18 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
         self.launch = {**launch_info(self.acc, self.mode), "target_sharding": self.target_sharding,
                        "engine": type(self.model).__name__}
 
+    def _start_over(self, overwrite: bool) -> None:
+        """A fresh start writes its own metrics rows; with ``train.overwrite`` an earlier run's checkpoints and
+        best/ go first (resolve_out_dir refused the folder otherwise)."""
+        from draftheads.train.resume import trim_metrics
+
+        if overwrite:
+            for name in ("checkpoints", "best"):
+                if (self.out_dir / name).exists():
+                    log.info("train.overwrite: removing the earlier run's %s", self.out_dir / name)
+                    shutil.rmtree(self.out_dir / name)
+        trim_metrics(self.metrics_path, 0)
+
     # ------------------------------------------------------------------ topology
     def _maybe_shard_target(self) -> dict[str, Any] | None:
         want = str(self.cfg.train.get("shard_target", "false")).lower()
@@ -220,6 +232,9 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
             self.out_dir.mkdir(parents=True, exist_ok=True)
         if t.resume:
             self.try_resume()
+        elif self.step == 0 and acc.is_main_process:
+            self._start_over(bool(t.get("overwrite")))
+        acc.wait_for_everyone()
         wandb_run = self._init_wandb()
         reset = _reset_peak_rss()
         bar = tqdm(total=self.max_steps, initial=self.step, desc="train", unit="step",

@@ -137,15 +137,36 @@ def resolve_out_dir(cfg: Any) -> Path:
     (``runs/sweeps/<run_name>/<job>``), the same on every rank because each rank runs the jobs in order.
     """
     if cfg.get("out_dir"):
-        return Path(cfg.out_dir)
-    try:
-        from hydra.core.hydra_config import HydraConfig
+        out = Path(cfg.out_dir)
+    else:
+        out = Path("runs") / str(cfg.run_name)
+        try:
+            from hydra.core.hydra_config import HydraConfig
 
-        if HydraConfig.initialized():
-            return Path(HydraConfig.get().runtime.output_dir)
-    except ImportError:  # pragma: no cover
-        pass
-    return Path("runs") / str(cfg.run_name)
+            if HydraConfig.initialized():
+                out = Path(HydraConfig.get().runtime.output_dir)
+        except ImportError:  # pragma: no cover
+            pass
+    refuse_silent_restart(cfg, out)
+    return out
+
+
+def refuse_silent_restart(cfg: Any, out_dir: Path) -> None:
+    """A fresh start in a folder that holds an earlier run's checkpoints would mix the two runs: its
+    metrics rows, its ``best/`` (kept by τ) and, through ``keep_last``, prune the new run's own checkpoints.
+    Rerunning a training command without ``train.resume=true`` is the usual way to get there, so it is an
+    error naming both ways out (``train.overwrite=true`` removes the earlier run's files first)."""
+    from draftheads.train.checkpointing import list_checkpoints
+
+    t = cfg.train
+    if t.get("resume") or t.get("overwrite"):
+        return
+    ckpts = list_checkpoints(out_dir)
+    if ckpts:
+        raise ValueError(
+            f"out_dir {out_dir} already holds an earlier run's checkpoints (latest: {ckpts[-1][1].name}) and "
+            f"train.resume is false: train.resume=true continues that run; train.overwrite=true starts over "
+            f"(removes its checkpoints/, best/ and metrics.jsonl); or choose another out_dir")
 
 
 def write_summary(acc: Any, out_dir: Path, family: str, result: TrainResult, **fields: Any) -> dict[str, Any]:
