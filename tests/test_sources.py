@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from draftheads.data_prep import sources
+from draftheads.data_prep import records
 from draftheads.data_prep.sources import (
     Conversation,
     DataError,
@@ -90,7 +90,7 @@ def test_json_array_roundtrip(tmp_path):
 
 @pytest.mark.parametrize("chunk", [3, 64, 1 << 20])
 def test_truncated_array_recovers_complete_records(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(sources, "_CHUNK_CHARS", chunk)
+    monkeypatch.setattr(records, "_CHUNK_CHARS", chunk)
     text = json.dumps(GOOD, indent=2, ensure_ascii=False)
     cut = text.index('"id": "c"') + 12          # inside record 2
     p = tmp_path / "cut.json"
@@ -166,7 +166,7 @@ def test_jsonl_with_malformed_line(tmp_path, caplog):
     lines = [json.dumps(r) for r in GOOD[:2]] + ['{"id": "broken", "conversations": [}', "",
                                                    json.dumps(GOOD[2])]
     p = write_jsonl(tmp_path / "d.jsonl", lines)
-    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+    with caplog.at_level(logging.WARNING, logger="draftheads.data_prep"):
         convs, st = load_conversations("jl", path=str(p))
     assert [c.id for c in convs] == ["a", "b", "c"]
     assert st.skipped == {"bad_json": 1} and st.read == 4 and st.format == "jsonl"
@@ -382,7 +382,7 @@ def test_logs_do_not_contain_content(tmp_path, caplog):
     recs = [sg("a", ("human", "SECRET-Q"), ("gpt", "SECRET-A")), sg("b", ("human", "SECRET-2")),
             sg("c", ("human", "q"), ("alien", "SECRET-3"))]
     p = write_array(tmp_path / "priv.json", recs)
-    with caplog.at_level(logging.DEBUG, logger="data_prep.sources"):
+    with caplog.at_level(logging.DEBUG, logger="draftheads.data_prep"):
         load_conversations("priv", path=str(p))
         split_conversations(load_conversations("priv", path=str(p))[0], 0.5)
     assert caplog.records
@@ -576,7 +576,7 @@ def test_non_utf8_byte_drops_only_its_record(tmp_path, layout, caplog):
     data = text[:at].encode() + b"\xff\xfe" + text[at:].encode()
     p.write_bytes(data)
     line = text[:at].count("\n") + 1
-    with caplog.at_level(logging.WARNING, logger="data_prep.sources"):
+    with caplog.at_level(logging.WARNING, logger="draftheads.data_prep"):
         got, st = ids_of(p)
     assert got == ["r0", "r1", "r2", "r4", "r5"] and st.skipped == {"bad_encoding": 1}, (got, st)
     assert any(f"line {line}" in r.getMessage() and "UTF-8" in r.getMessage() for r in caplog.records), \
