@@ -135,6 +135,7 @@ def resolve_out_dir(cfg: Any) -> Path:
     Hydra's run dir is ``runs/<run_name>`` (no timestamp), so every process of a multi-process launch
     resolves the same path; in a sweep each job gets its own numbered subdirectory
     (``runs/sweeps/<run_name>/<job>``), the same on every rank because each rank runs the jobs in order.
+    Every entry calls this first, so it is also where a folder holding an earlier run is refused (below).
     """
     if cfg.get("out_dir"):
         out = Path(cfg.out_dir)
