@@ -103,11 +103,26 @@ def _with_branch(tree: Any, desc: dict[str, Any]) -> Any:
     return f"{tree} + lookup branch {n}" if n else tree
 
 
-def measure_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows of an eval/measure.py ``results.json``: every trained head's greedy setting (× plain from the same run)."""
+def same_head(path: str | None, ckpt: Path | None) -> bool:
+    """Whether a result's head folder holds the weights being published: the same folder, or a copy of its
+    ``model.safetensors`` (a run's ``final/`` and ``best/`` are different heads unless their bytes agree)."""
+    if ckpt is None:
+        return True
+    if not path:
+        return False
+    p = Path(path)
+    if p.resolve() == ckpt.resolve():
+        return True
+    a, b = p / "model.safetensors", ckpt / "model.safetensors"
+    return a.is_file() and b.is_file() and _sha256(a) == _sha256(b)
+
+
+def measure_rows(r: dict[str, Any], ckpt: Path | None = None) -> list[dict[str, Any]]:
+    """Rows of an eval/measure.py ``results.json``: the greedy setting of every trained head, or only of the head
+    ``ckpt`` holds (a run measuring several heads must not lend the card another head's figures)."""
     rows = []
     for name, m in r["methods"].items():
-        if not m.get("checkpoint"):
+        if not m.get("checkpoint") or not same_head(m["checkpoint"], ckpt):
             continue
         for block in r["settings"].values():
             if block.get("mode") != "greedy" or name not in block.get("methods", {}):
@@ -126,28 +141,43 @@ def measure_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def tau_rows(eval_files: list[Path]) -> list[dict[str, Any]]:
+def tau_rows(eval_files: list[Path], ckpt: Path | None = None, optional: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
     """One row per eval/acceptance.py result (question set, drafter, τ, tokens/s, acceptance by depth), and one per
-    trained head of an eval/measure.py results.json."""
+    trained head of an eval/measure.py results.json. With ``ckpt``, only results measured on that head's weights:
+    a given file that measured none is a user error; one in ``optional`` (the run's own eval.json, which
+    measured ``final/``) is skipped with a note."""
     rows = []
     for f in eval_files:
         r = _read_json(f)
         if r is not None and "settings" in r and "methods" in r:
-            rows += measure_rows(r)
-            continue
-        if r is None or "summary" not in r:
+            got = measure_rows(r, ckpt)
+            heads = [m.get("checkpoint") for m in r["methods"].values() if m.get("checkpoint")]
+        elif r is None or "summary" not in r:
             raise ValueError(f"{f} is neither an eval/acceptance.py result (no 'summary') nor an eval/measure.py "
                              f"results.json")
-        s = r["summary"]
-        d = r.get("drafter", {})
-        rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
-                     "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": _with_branch(d.get("tree_source") or d.get("tree_kind") or d.get("tree"), d),
-                     "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
-                     "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
-                     "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),
-                     "accept_at_depth": s.get("accept_at_depth"),
-                     "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}})
+        else:
+            heads = [(r.get("drafter") or {}).get("head")]
+            got = _acceptance_row(r) if same_head(heads[0], ckpt) else []
+        if not got and ckpt is not None:
+            msg = f"{f} measured {heads}, not the checkpoint being published ({ckpt})"
+            if f not in optional:
+                raise ValueError(f"{msg}: give eval= results measured on checkpoint={ckpt}")
+            print(f"note: {msg}; its τ is left off the card")
+        rows += got
     return rows
+
+
+def _acceptance_row(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The card's row for one eval/acceptance.py result."""
+    s, d = r["summary"], r.get("drafter", {})
+    tree = _with_branch(d.get("tree_source") or d.get("tree_kind") or d.get("tree"), d)
+    return [{"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
+             "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": tree,
+             "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
+             "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
+             "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),
+             "accept_at_depth": s.get("accept_at_depth"),
+             "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}}]
 
 
 def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary: dict[str, Any] | None,
@@ -303,8 +333,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if (run_dir / "config.yaml").is_file():
         run_cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
     summary = _read_json(run_dir / "summary.json")
-    eval_files = ([run_dir / "eval.json"] if (run_dir / "eval.json").is_file() else []) + [Path(p) for p in cfg.eval]
-    taus = tau_rows(eval_files)
+    own = (run_dir / "eval.json",) if (run_dir / "eval.json").is_file() else ()
+    taus = tau_rows(list(own) + [Path(p) for p in cfg.eval], ckpt, optional=own)
     n_params = sum(t.numel() for t in tensors.values())
     # ---- write the folder (atomically: a failed publish never leaves a half-written folder)
     with atomic_dir(out) as tmp:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import CONF, REPO, compose, tiny_model, tiny_train_overrides
 from draftheads.train.loop import accepted_lengths, list_checkpoints, lockstep_batches
@@ -588,3 +588,35 @@ def test_publish_tau_table_reads_a_measure_run(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="neither"):
         tau_rows([tmp_path / "bad.json"])
+
+
+def test_publish_keeps_only_the_published_heads_figures(tmp_path):
+    """A measure run over several heads, or a result on the run's final/ when best/ is published, must not lend the
+    card another head's τ: rows are kept by the weights they measured (same folder or the same bytes)."""
+    from draftheads.scripts.publish import tau_rows
+
+    heads = {}
+    for name, fill in (("best", 1.0), ("final", 2.0), ("copy", 1.0)):
+        heads[name] = tmp_path / name
+        heads[name].mkdir()
+        save_file({"w": torch.full((4,), fill)}, str(heads[name] / "model.safetensors"))
+    block = {"mode": "greedy", "methods": {"plain": {"tau": 1.0, "tokens_per_s": 20.0, "turns": 2},
+                                          "b": {"tau": 2.4, "tokens_per_s": 30.0, "turns": 2},
+                                          "f": {"tau": 1.9, "tokens_per_s": 25.0, "turns": 2}},
+             "speedup_vs_plain": {"b": {"overall": 1.5}, "f": {"overall": 1.2}}}
+    res = {"questions": "mt_bench.jsonl", "num_questions": 2, "dtype": "bf16", "max_new_tokens": 16,
+           "methods": {"plain": {"kind": "plain", "checkpoint": None},
+                       "b": {"kind": "eagle3", "checkpoint": str(heads["copy"]), "drafter": "eagle3"},
+                       "f": {"kind": "eagle3", "checkpoint": str(heads["final"]), "drafter": "eagle3"}},
+           "settings": {"greedy": block}}
+    measure = tmp_path / "results.json"
+    measure.write_text(json.dumps(res))
+    acc = tmp_path / "eval.json"  # an acceptance result on final/
+    acc.write_text(json.dumps({"drafter": {"drafter": "eagle3", "head": str(heads["final"])}, "mode": "greedy",
+                               "summary": {"tau": 1.9, "turns": 2}}))
+    rows = tau_rows([measure], heads["best"])
+    assert [(r["tau"], r["speedup_vs_plain"]) for r in rows] == [(2.4, 1.5)]  # the copy's bytes are best/'s
+    assert [r["tau"] for r in tau_rows([measure, acc], heads["final"])] == [1.9, 1.9]
+    with pytest.raises(ValueError, match="not the checkpoint being published"):
+        tau_rows([acc], heads["best"])
+    assert tau_rows([acc], heads["best"], optional=(acc,)) == []  # the run's own eval.json: skipped, not an error
