@@ -224,7 +224,9 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
               "- full resolved config: `training_config.yaml`"]
     if summary:
         launch = summary.get("launch") or {}
-        L += [f"- trained in {summary.get('seconds')} s at {summary.get('train_tokens_per_s')} tokens/s "
+        resumed = summary.get("resumed_from_step") or 0
+        span = f"steps {resumed}–{summary.get('steps')} (resumed; earlier steps' time not included)" if resumed else "trained"
+        L += [f"- {span} in {summary.get('seconds')} s at {summary.get('train_tokens_per_s')} tokens/s "
               f"({launch.get('mode', '?')}, {launch.get('num_processes', '?')} process(es))"]
     L += ["", "## Measured τ", ""]
     if taus:

@@ -147,7 +147,7 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, cha
     assert summary["launch"]["mode"] == "single" and summary["launch"]["num_processes"] == 1
     assert summary["trainable_params"] == sum(v.numel() for v in load_file(
         str(tmp_path / "full" / "final" / "model.safetensors")).values())
-    assert summary["steps_per_s"] > 0 and summary["eval"] is None
+    assert summary["steps_per_s"] > 0 and summary["eval"] is None and summary["resumed_from_step"] == 0
     assert len(summary["peak_rss_mb_per_rank"]) == len(summary["peak_rss_loop_mb_per_rank"]) == 1
     assert summary["peak_rss_loop_mb"] == summary["peak_rss_loop_mb_per_rank"][0] > 0
     # killed after step 18: step-12 is the last complete checkpoint; noise RNG and data order must line up
@@ -155,7 +155,9 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, cha
     shutil.copytree(tmp_path / "full", killed)
     shutil.rmtree(killed / "checkpoints" / "step-000024")
     shutil.rmtree(killed / "final")
-    main(compose("eagle", tiny_train_overrides(tiny_target_dir, chat_file, killed, **kw, **{"train.resume": "true"})))
+    resumed = main(compose("eagle", tiny_train_overrides(tiny_target_dir, chat_file, killed, **kw,
+                                                         **{"train.resume": "true"})))
+    assert resumed["resumed_from_step"] == 12 and len(resumed["losses"]) == 12  # seconds and losses: this process's
     got = _losses(killed)
     assert sorted(got) == list(range(1, 25))
     for s in range(13, 25):

@@ -303,7 +303,7 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
                              tokens / max(elapsed, 1e-9), _peak_rss_mb(), steps_per_s=steps_done / max(elapsed, 1e-9),
                              launch=self.launch, peak_memory_mb_per_rank=rss_all[:, 0].tolist(),
                              peak_loop_memory_mb_per_rank=rss_all[:, 1].tolist(),
-                             trainable_params=self.trainable_params, tau_best=self.tau_best)
+                             trainable_params=self.trainable_params, tau_best=self.tau_best, start_step=start_step)
         if acc.is_main_process and self.step == self.max_steps:
             result.eval = run_eval_after(self.cfg, final_dir, self.out_dir)
             if result.eval is not None and wandb_run is not None:

@@ -33,6 +33,7 @@ class TrainResult:
     trainable_params: int = 0
     eval: dict[str, Any] | None = None  # eval_after summary (tau, tokens/s), rank 0 only
     tau_best: dict[str, Any] | None = None  # train.tau_eval: {"step", "tau"} of the head kept in best/
+    start_step: int = 0  # the step this process began at (> 0 when resumed): seconds and losses cover only its steps
 
     def summary_fields(self) -> dict[str, Any]:
         """What every family's summary.json carries about scale-out (the sweep report reads these)."""
@@ -40,7 +41,7 @@ class TrainResult:
                 "trainable_params": self.trainable_params,
                 "peak_rss_mb_per_rank": [round(x, 1) for x in self.peak_memory_mb_per_rank],
                 "peak_rss_loop_mb_per_rank": [round(x, 1) for x in self.peak_loop_memory_mb_per_rank],
-                "eval": self.eval, "tau_best": self.tau_best}
+                "eval": self.eval, "tau_best": self.tau_best, "resumed_from_step": self.start_step}
 
 
 def _peak_rss_mb() -> float:
