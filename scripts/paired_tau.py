@@ -7,7 +7,7 @@ together; this script pairs heads from two separate measure runs.
         [cluster=question|turn] [turn=N]
 
 Each argument is ``RUN:METHOD``: a directory written by ``eval/measure.py`` (or its ``results.json``) and a
-method name in it. Rows are paired by (setting, question_id, turn); both sides must emit the same number of
+method name in it; or an ``eval/acceptance.py`` result file (``out=...json``), e.g. two heads' fp32 runs. Rows are paired by (setting, question_id, turn); both sides must emit the same number of
 tokens per row (true for greedy runs of the same target, which are token-identical).
 
 ``cluster=question`` (default) resamples whole questions, so a multi-turn run's turns of one question move
@@ -26,9 +26,22 @@ from draftheads.eval.tau import paired_forwards  # noqa: E402
 
 
 def load_rows(spec: str) -> tuple[str, dict[tuple, dict[str, Any]]]:
-    """``RUN:METHOD`` -> (label, {(setting, question_id, turn): row})."""
+    """``RUN:METHOD`` (an eval/measure.py run) or ``FILE.json`` (an eval/acceptance.py result) -> (label,
+    {(setting, question_id, turn): row}). An acceptance result's rows carry each step's accepted count, from which
+    its forwards and accepted tokens follow; its setting is its mode ("greedy"), so it pairs with a measure run's."""
+    path = Path(spec)
+    if ":" not in spec and path.is_file():
+        data = json.loads(path.read_text())
+        if "summary" not in data or not all("accepted" in r for r in data.get("rows", [None])):
+            raise ValueError(f"{spec}: not an eval/acceptance.py result (no summary or per-step 'accepted' rows); "
+                             f"for an eval/measure.py run give RUN:METHOD")
+        setting = data.get("mode")
+        return path.stem, {(setting, r["question_id"], r.get("turn", 0)):
+                           {**r, "steps": len(r["accepted"]), "accepted_total": sum(r["accepted"])}
+                           for r in data["rows"]}
     if ":" not in spec:
-        raise ValueError(f"expected RUN:METHOD (e.g. runs/measure/x:eagle), got {spec!r}")
+        raise ValueError(f"expected RUN:METHOD (e.g. runs/measure/x:eagle) or an eval/acceptance.py result file, "
+                         f"got {spec!r}")
     run, method = spec.rsplit(":", 1)
     path = Path(run)
     path = path / "results.json" if path.is_dir() else path

@@ -186,3 +186,25 @@ def test_save_png_never_leaves_a_half_written_image(tmp_path):
         save_png(fig, out)
     assert out.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["fig.png"]
     plt.close(fig)
+
+
+def test_acceptance_results_pair_with_each_other_and_with_a_measure_run(tmp_path):
+    """eval/acceptance.py rows hold each step's accepted count: forwards = steps, accepted = their sum."""
+    def acceptance(name, accepted_lists):
+        rows = [{"question_id": i, "turn": 0, "new_tokens": sum(a) + len(a), "accepted": a}
+                for i, a in enumerate(accepted_lists)]
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"mode": "greedy", "summary": {"tau": 0.0}, "rows": rows}))
+        return f
+
+    base = [[1, 0, 2, 1]] * 10  # 4 forwards, 8 tokens per prompt
+    better = [[3, 3]] * 10  # 2 forwards, 8 tokens
+    a, b = acceptance("a", base), acceptance("b", better)
+    res = compare(str(a), str(b), boot=500)
+    assert (res["forwards_a"], res["forwards_b"], res["saved"]) == (40, 20, 20) and res["verdict"] == "b ahead"
+    assert res["tau_a"] == pytest.approx(2.0) and res["tau_b"] == pytest.approx(4.0)
+    m = _write(tmp_path / "m", "eagle3", [4] * 10, tokens=8)  # a measure run's greedy rows pair with it
+    assert compare(f"{m}:eagle3", str(b), boot=500)["saved"] == 20
+    (tmp_path / "bad.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="not an eval/acceptance.py result"):
+        compare(str(tmp_path / "bad.json"), str(b))
