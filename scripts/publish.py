@@ -170,7 +170,8 @@ def tau_rows(eval_files: list[Path], ckpt: Path | None = None, optional: tuple[P
 def _acceptance_row(r: dict[str, Any]) -> list[dict[str, Any]]:
     """The card's row for one eval/acceptance.py result."""
     s, d = r["summary"], r.get("drafter", {})
-    tree = _with_branch(d.get("tree_source") or d.get("tree_kind") or d.get("tree"), d)
+    kind = d.get("tree_source") or d.get("tree_kind") or d.get("tree")
+    tree = _with_branch(f"{kind} ({d['tree_size']} verified)" if d.get("tree_size") else kind, d)
     return [{"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
              "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": tree,
              "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
