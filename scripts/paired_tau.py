@@ -1,14 +1,16 @@
 """Is one draft's τ lead over another more than prompt noise? A paired bootstrap over prompts (prints JSON).
 
 Why: see eval/tau.py. ``eval/measure.py`` reports the same comparison for every pair of heads it measured
-together; this script pairs heads from two separate measure runs.
+together; this script pairs heads from two separate runs (measure runs or eval/acceptance.py results).
 
     python scripts/paired_tau.py runs/measure/A:eagle runs/measure/B:eagle3 [boot=10000] [seed=0] \
         [cluster=question|turn] [turn=N]
+    python scripts/paired_tau.py runs/a/eval.json runs/b/eval.json
 
 Each argument is ``RUN:METHOD``: a directory written by ``eval/measure.py`` (or its ``results.json``) and a
-method name in it; or an ``eval/acceptance.py`` result file (``out=...json``), e.g. two heads' fp32 runs. Rows are paired by (setting, question_id, turn); both sides must emit the same number of
-tokens per row (true for greedy runs of the same target, which are token-identical).
+method name in it; or an ``eval/acceptance.py`` result file (its ``out=``), e.g. two heads' fp32 runs. Rows are
+paired by (setting, question_id, turn); both sides must emit the same number of tokens per row (true for greedy
+runs of the same target, which are token-identical).
 
 ``cluster=question`` (default) resamples whole questions, so a multi-turn run's turns of one question move
 together; ``cluster=turn`` treats every turn as an independent draw (narrower, and optimistic when turns of a
