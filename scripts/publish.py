@@ -157,7 +157,7 @@ def tau_rows(eval_files: list[Path], ckpt: Path | None = None, optional: tuple[P
                              f"results.json")
         else:
             heads = [(r.get("drafter") or {}).get("head")]
-            got = _acceptance_row(r) if same_head(heads[0], ckpt) else []
+            got = [_acceptance_row(r)] if same_head(heads[0], ckpt) else []
         if not got and ckpt is not None:
             msg = f"{f} measured {heads}, not the checkpoint being published ({ckpt})"
             if f not in optional:
@@ -167,18 +167,18 @@ def tau_rows(eval_files: list[Path], ckpt: Path | None = None, optional: tuple[P
     return rows
 
 
-def _acceptance_row(r: dict[str, Any]) -> list[dict[str, Any]]:
+def _acceptance_row(r: dict[str, Any]) -> dict[str, Any]:
     """The card's row for one eval/acceptance.py result."""
     s, d = r["summary"], r.get("drafter", {})
     kind = d.get("tree_source") or d.get("tree_kind") or d.get("tree")
     tree = _with_branch(f"{kind} ({d['tree_size']} verified)" if d.get("tree_size") else kind, d)
-    return [{"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
-             "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": tree,
-             "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
-             "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
-             "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),
-             "accept_at_depth": s.get("accept_at_depth"),
-             "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}}]
+    return {"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
+            "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": tree,
+            "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
+            "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
+            "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),
+            "accept_at_depth": s.get("accept_at_depth"),
+            "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}}
 
 
 def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary: dict[str, Any] | None,
