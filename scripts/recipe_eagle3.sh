@@ -5,14 +5,17 @@
 #               files are never distilled
 #   2. train    EAGLE-3 (+experiment=eagle3_full plus E3_ARGS) on that file, measuring τ with the real greedy loop
 #               every TAU_EVERY steps on held-out prompts; best/ keeps the head with the highest τ
-#   3. measure  best/ on the benchmark questions (first turns): fp32 greedy τ per category and token identity with
-#               plain decoding (eval/acceptance.py); then tokens/s in the default dtype against plain decoding and
-#               prompt lookup, trees chosen by tree=auto (eval/measure.py)
+#   3. measure  best/ on the benchmark questions (first turns): fp32 greedy τ per category with EAGLE-3's default
+#               tree and the head alone, and token identity with plain decoding (eval/acceptance.py; a fixed tree, so
+#               τ does not depend on the host's timings); then tokens/s in the default dtype against plain decoding
+#               and prompt lookup, trees (and the head's lookup branch) chosen by tree=auto (eval/measure.py)
 #   4. publish  a Hub-layout folder (bf16 safetensors, config, model card with the τ table) in $RUN/hub
 #   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT (~2.5 h, 2 cores)
 #   N=8000 STEPS=3000 bash scripts/recipe_eagle3.sh target=hf target.name=/path/to/model
 # Env: RUN (output folder), N (conversations to distill; null = the whole training split), TURNS (first | all),
-# DISTILL_MIN (minutes of distillation; null = no limit; 0 = train on DATA as it is), DISTILL_TOKENS (answer
+# DISTILL_MIN (minutes of distillation; null = no limit; 0 = train on DATA as it is; a distillation that finished
+# writes $RUN/distill.done and a rerun trains on its file instead of distilling more: delete it to add data; a
+# time-bounded one covers more conversations on a faster host, so pin N to recipe.json's count to repeat it), DISTILL_TOKENS (answer
 # length), SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
 # TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
 # answer), E3_ARGS (space-separated EAGLE-3 overrides), MEASURE (0 skips the tokens/s stage). Overrides given as
@@ -44,9 +47,12 @@ stage "1/4 distill $N conversations, turns=$TURNS, at most $DISTILL_MIN minutes"
 S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
 if [ "$DISTILL_MIN" = 0 ]; then
   echo "DISTILL_MIN=0: training on $DATA as it is ($(wc -l < "$DATA") conversations)"
+elif [ -f "$RUN/distill.done" ]; then
+  echo "distillation finished earlier ($(wc -l < "$DATA") conversations in $DATA); delete $RUN/distill.done to distill more"
 else
   python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
     max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA"
+  date -u +%FT%TZ > "$RUN/distill.done"  # a rerun after a later stage was killed must not distill another $DISTILL_MIN minutes
 fi
 t1=$SECONDS
 
@@ -60,7 +66,8 @@ t2=$SECONDS
 
 stage "3/4 measure $HEAD on $(basename "$QUESTIONS") ($MAXQ questions, first turns, $NEW tokens, fp32 greedy)"
 python eval/acceptance.py "${T[@]}" target.dtype=fp32 checkpoint="$HEAD" questions="$QUESTIONS" \
-  max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW" compare_plain=true out="$RUN/benchmark.json"
+  max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW" compare_plain=true tree.select=default tree.lookup_branch=0 \
+  out="$RUN/benchmark.json"
 if [ "$MEASURE" = 1 ]; then
   python eval/measure.py "${T[@]}" "+heads.eagle3=$HEAD" questions="$QUESTIONS" max_questions="$MAXQ" max_turns=1 \
     max_new_tokens="$NEW" "methods=[plain,prompt_lookup]" "temperatures=[]" "sweep.methods=[]" out_dir="$RUN/measure"
@@ -70,15 +77,26 @@ t3=$SECONDS
 stage "4/4 publish to $RUN/hub"
 python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/eagle3" out="$RUN/hub" "eval=[$RUN/benchmark.json]" \
   dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS E3_ARGS=\"$E3_ARGS\" bash scripts/recipe_eagle3.sh $*'"
-python - "$RUN" "$t1" "$t2" "$t3" "$SECONDS" <<'PY'
+python - "$RUN" "$DATA" "$HEAD" "$t1" "$t2" "$t3" "$SECONDS" <<'PY'
 import json, sys
 from pathlib import Path
-run, *t = sys.argv[1:]
+run, data, head, *t = sys.argv[1:]
 t = [int(x) for x in t]
 res = json.loads((Path(run) / "benchmark.json").read_text())
 times = {"distill_s": t[0], "train_s": t[1] - t[0], "measure_s": t[2] - t[1], "publish_s": t[3] - t[2], "total_s": t[3]}
 out = {"tau": res["summary"]["tau"], "speedup_vs_plain_fp32": res.get("speedup_vs_plain"),
        "greedy_identical": res["greedy_identical"]["identical"], "turns": res["greedy_identical"]["turns"], **times}
+# what the head was made from: a time-bounded distillation covers more conversations on a faster host, so a rerun
+# that should match pins N to this count
+with open(data) as f:
+    out["data"] = {"path": data, "conversations": sum(1 for line in f if line.strip())}
+ds = Path(data + ".summary.json")
+if ds.is_file():
+    d = json.loads(ds.read_text())
+    out["data"]["last_distill_job"] = {k: d.get(k) for k in ("written", "new_tokens", "seconds", "tokens_per_s", "dtype")}
+ts = Path(run) / "eagle3" / "summary.json"
+if ts.is_file():
+    out["train"] = {"head": head, "tau_best": json.loads(ts.read_text()).get("tau_best")}
 m = Path(run) / "measure" / "results.json"
 if m.is_file():
     r = json.loads(m.read_text())

@@ -43,6 +43,8 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     assert out["total_s"] >= out["train_s"] >= 0
     assert set(out["speedup_vs_plain"]) == {"plain", "prompt_lookup", "eagle3"} and out["speedup_vs_plain"]["plain"] == 1.0
     assert out["tau_measure"]["eagle3"] >= 1.0 and out["tree_choice"]
+    assert out["data"]["conversations"] == len(records) == out["data"]["last_distill_job"]["written"]
+    assert out["train"]["head"].endswith("best") and out["train"]["tau_best"]["step"] == best["step"]
     hub = run / "hub"
     assert {"model.safetensors", "config.json", "README.md", "tau_table.json"} <= {f.name for f in hub.iterdir()}
     card = (hub / "README.md").read_text()
@@ -50,4 +52,5 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
 
     again = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "distillation finished earlier" in again.stdout  # a finished time-bounded distillation is not extended
     assert len((run / "distilled.jsonl").read_text().splitlines()) == len(records)  # nothing distilled twice
