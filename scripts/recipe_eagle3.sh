@@ -10,7 +10,7 @@
 #               τ does not depend on the host's timings); then tokens/s in the default dtype against plain decoding
 #               and prompt lookup, trees (and the head's lookup branch) chosen by tree=auto (eval/measure.py)
 #   4. publish  a Hub-layout folder (bf16 safetensors, config, model card with the τ table) in $RUN/hub
-#   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT (~2.5 h, 2 cores)
+#   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT (~2 h on 2 AMX cores)
 #   N=8000 STEPS=3000 bash scripts/recipe_eagle3.sh target=hf target.name=/path/to/model
 # Env: RUN (output folder), N (conversations to distill; null = the whole training split), TURNS (first | all),
 # DISTILL_MIN (minutes of distillation; null = no limit; 0 = train on DATA as it is; a distillation that finished
@@ -52,7 +52,7 @@ elif [ -f "$RUN/distill.done" ]; then
 else
   python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
     max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA"
-  date -u +%FT%TZ > "$RUN/distill.done"  # a rerun after a later stage was killed must not distill another $DISTILL_MIN minutes
+  mkdir -p "$RUN" && date -u +%FT%TZ > "$RUN/distill.done"  # a rerun after a later stage was killed must not distill another $DISTILL_MIN minutes
 fi
 t1=$SECONDS
 
