@@ -11,6 +11,7 @@
 #               and prompt lookup, trees (and the head's lookup branch) chosen by tree=auto (eval/measure.py)
 #   4. publish  a Hub-layout folder (bf16 safetensors, config, model card with the τ table) in $RUN/hub
 #   bash scripts/recipe_eagle3.sh                                        # embedded SmolLM2 + ShareGPT (~2 h on 2 AMX cores)
+#   FAMILIES="eagle3 medusa eagle" bash scripts/recipe_eagle3.sh         # the other families on the same data, beside it
 #   N=8000 STEPS=3000 bash scripts/recipe_eagle3.sh target=hf target.name=/path/to/model
 # Env: RUN (output folder), N (conversations to distill; null = the whole training split), TURNS (first | all),
 # DISTILL_MIN (minutes of distillation; null = no limit; 0 = train on DATA as it is; a distillation that finished
@@ -18,7 +19,10 @@
 # time-bounded one covers more conversations on a faster host, so pin N to recipe.json's count to repeat it), DISTILL_TOKENS (answer
 # length), SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
 # TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
-# answer), E3_ARGS (space-separated EAGLE-3 overrides), MEASURE (0 skips the tokens/s stage). Overrides given as
+# answer), E3_ARGS (space-separated EAGLE-3 overrides), FAMILIES (families trained, measured and reported side by side on
+# the same data, steps and τ selection; the first one is published; default eagle3), MEDUSA_ARGS / EAGLE_ARGS (their
+# overrides; default train.save_every=50), MEASURE (0 skips the tokens/s stage). A measurement newer than its head is
+# not repeated by a rerun (delete its JSON to measure again). Overrides given as
 # arguments go to every job; distill and measure take only the target* ones. A rerun with a different STEPS resumes
 # the newest checkpoint on the new schedule. To publish into the repo's zoo/, copy $RUN/hub there when its τ beats
 # the head already in zoo/.
@@ -35,6 +39,10 @@ STEPS=${STEPS:-500}
 TAU_EVERY=${TAU_EVERY:-100}
 E3_ARGS=${E3_ARGS-head.draft_vocab_size=8192 head.draft_vocab_reference=sharegpt head.ttt_steps=4 train.save_every=50}
 MEASURE=${MEASURE:-1}
+read -r -a FAM <<< "${FAMILIES:-eagle3}"
+for F in "${FAM[@]}"; do
+  [ -f "train/$F.py" ] || { echo "FAMILIES: no trainer train/$F.py for '$F' (have: $(cd train && ls ./*.py | sed 's|./||; s|\.py||' | grep -v '^_' | tr '\n' ' '))" >&2; exit 2; }
+done
 QUESTIONS=${QUESTIONS:-../shared/data/mt_bench.jsonl}
 MAXQ=${MAXQ:-80}
 NEW=${NEW:-128}
@@ -56,32 +64,53 @@ else
 fi
 t1=$SECONDS
 
-stage "2/4 train EAGLE-3 for $STEPS steps, τ every $TAU_EVERY"
-read -r -a E3X <<< "$E3_ARGS"
-python train/eagle3.py +experiment=eagle3_full data.path="$DATA" data.name="$(basename "$DATA" .jsonl)" \
-  train.max_steps="$STEPS" train.tau_eval.every="$TAU_EVERY" train.resume=true "$@" "${E3X[@]}" \
-  out_dir="$RUN/eagle3" hydra.run.dir="$RUN/eagle3"
-HEAD="$RUN/eagle3/best"; [ -d "$HEAD" ] || HEAD="$RUN/eagle3/final"
+stage "2/4 train ${FAM[*]} for $STEPS steps each, τ every $TAU_EVERY"
+family_args() {  # the overrides for family $1: E3_ARGS for eagle3, else ${FAMILY}_ARGS
+  local v="${1^^}_ARGS"
+  if [ "$1" = eagle3 ]; then echo "$E3_ARGS"; elif [ -n "${!v+x}" ]; then echo "${!v}"; else echo "train.save_every=50"; fi
+}
+declare -A HEADS TRAIN_S
+for F in "${FAM[@]}"; do
+  t=$SECONDS
+  read -r -a FX <<< "$(family_args "$F")"
+  python "train/$F.py" "+experiment=${F}_full" data.path="$DATA" data.name="$(basename "$DATA" .jsonl)" \
+    train.max_steps="$STEPS" train.tau_eval.every="$TAU_EVERY" train.resume=true "$@" "${FX[@]}" \
+    out_dir="$RUN/$F" hydra.run.dir="$RUN/$F"
+  HEADS[$F]="$RUN/$F/best"; [ -d "${HEADS[$F]}" ] || HEADS[$F]="$RUN/$F/final"
+  TRAIN_S[$F]=$((SECONDS - t))
+done
+HEAD=${HEADS[${FAM[0]}]}
 t2=$SECONDS
 
-stage "3/4 measure $HEAD on $(basename "$QUESTIONS") ($MAXQ questions, first turns, $NEW tokens, fp32 greedy)"
-python eval/acceptance.py "${T[@]}" target.dtype=fp32 checkpoint="$HEAD" questions="$QUESTIONS" \
-  max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW" compare_plain=true tree.select=default tree.lookup_branch=0 \
-  out="$RUN/benchmark.json"
+stage "3/4 measure ${FAM[*]} on $(basename "$QUESTIONS") ($MAXQ questions, first turns, $NEW tokens, fp32 greedy)"
+fresh() { [ -f "$1" ] && [ "$1" -nt "$2/model.safetensors" ]; }  # a measurement newer than the head's weights
+bench_of() { if [ "$1" = "${FAM[0]}" ]; then echo "$RUN/benchmark.json"; else echo "$RUN/benchmark-$1.json"; fi; }
+for F in "${FAM[@]}"; do
+  if fresh "$(bench_of "$F")" "${HEADS[$F]}"; then echo "$F measured earlier: $(bench_of "$F")"; continue; fi
+  python eval/acceptance.py "${T[@]}" target.dtype=fp32 checkpoint="${HEADS[$F]}" questions="$QUESTIONS" \
+    max_questions="$MAXQ" max_turns=1 max_new_tokens="$NEW" compare_plain=true tree.select=default tree.lookup_branch=0 \
+    out="$(bench_of "$F")"
+done
 if [ "$MEASURE" = 1 ]; then
-  python eval/measure.py "${T[@]}" "+heads.eagle3=$HEAD" questions="$QUESTIONS" max_questions="$MAXQ" max_turns=1 \
-    max_new_tokens="$NEW" "methods=[plain,prompt_lookup]" "temperatures=[]" "sweep.methods=[]" out_dir="$RUN/measure"
+  H=(); stale=0
+  for F in "${FAM[@]}"; do H+=("+heads.$F=${HEADS[$F]}"); fresh "$RUN/measure/results.json" "${HEADS[$F]}" || stale=1; done
+  if [ "$stale" = 0 ]; then echo "tokens/s measured earlier: $RUN/measure/results.json"; else
+    python eval/measure.py "${T[@]}" "${H[@]}" questions="$QUESTIONS" max_questions="$MAXQ" max_turns=1 \
+      max_new_tokens="$NEW" "methods=[plain,prompt_lookup]" "temperatures=[]" "sweep.methods=[]" out_dir="$RUN/measure"
+  fi
 fi
 t3=$SECONDS
 
 stage "4/4 publish to $RUN/hub"
-python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/eagle3" out="$RUN/hub" "eval=[$RUN/benchmark.json]" \
-  dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS E3_ARGS=\"$E3_ARGS\" bash scripts/recipe_eagle3.sh $*'"
-python - "$RUN" "$DATA" "$HEAD" "$t1" "$t2" "$t3" "$SECONDS" <<'PY'
+python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/${FAM[0]}" out="$RUN/hub" "eval=[$RUN/benchmark.json]" \
+  dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS E3_ARGS=\"$E3_ARGS\" FAMILIES=\"${FAM[*]}\" bash scripts/recipe_eagle3.sh $*'"
+FS=(); for F in "${FAM[@]}"; do FS+=("$F:${HEADS[$F]}:${TRAIN_S[$F]}:$(bench_of "$F")"); done
+python - "$RUN" "$DATA" "$HEAD" "$t1" "$t2" "$t3" "$SECONDS" "${FS[@]}" <<'PY'
 import json, sys
 from pathlib import Path
-run, data, head, *t = sys.argv[1:]
-t = [int(x) for x in t]
+run, data, head, *rest = sys.argv[1:]
+t = [int(x) for x in rest[:4]]
+families = [f.split(":", 3) for f in rest[4:]]  # family:head:train seconds:benchmark JSON
 res = json.loads((Path(run) / "benchmark.json").read_text())
 times = {"distill_s": t[0], "train_s": t[1] - t[0], "measure_s": t[2] - t[1], "publish_s": t[3] - t[2], "total_s": t[3]}
 out = {"tau": res["summary"]["tau"], "speedup_vs_plain_fp32": res.get("speedup_vs_plain"),
@@ -94,9 +123,19 @@ ds = Path(data + ".summary.json")
 if ds.is_file():
     d = json.loads(ds.read_text())
     out["data"]["last_distill_job"] = {k: d.get(k) for k in ("written", "new_tokens", "seconds", "tokens_per_s", "dtype")}
-ts = Path(run) / "eagle3" / "summary.json"
-if ts.is_file():
-    out["train"] = {"head": head, "tau_best": json.loads(ts.read_text()).get("tau_best")}
+
+def tau_best(fam: str):
+    ts = Path(run) / fam / "summary.json"
+    return json.loads(ts.read_text()).get("tau_best") if ts.is_file() else None
+
+
+out["train"] = {"head": head, "tau_best": tau_best(families[0][0])}
+out["families"] = {}  # every family on the same data and steps: fp32 greedy τ with its default tree, head alone
+for fam, fhead, train_s, bench in families:
+    b = json.loads(Path(bench).read_text())
+    out["families"][fam] = {"head": fhead, "train_s": int(train_s), "tau_best": tau_best(fam), "benchmark": bench,
+                            "tau": b["summary"]["tau"], "per_category": {k: v["tau"] for k, v in b["summary"]["per_category"].items()},
+                            "greedy_identical": b["greedy_identical"]["identical"], "turns": b["greedy_identical"]["turns"]}
 m = Path(run) / "measure" / "results.json"
 if m.is_file():
     r = json.loads(m.read_text())

@@ -23,6 +23,7 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     env = dict(os.environ, RUN=str(run), N="12", TURNS="all", SOURCE=str(chat_file), DISTILL_TOKENS="8", STEPS="4", TAU_EVERY="2",
                QUESTIONS=str(qfile), MAXQ="2", NEW="8",
                E3_ARGS="head.aux_layers=[0,1,2] head.draft_vocab_size=64 train.tau_eval.evaluator.prompts=2",
+               FAMILIES="eagle3 medusa", MEDUSA_ARGS="head.num_heads=2 train.tau_eval.evaluator.prompts=2",
                WANDB_MODE="disabled", DRAFTHEADS_CACHE=str(tmp_path / "cache"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     overrides = ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true", "train.device=cpu",
@@ -41,10 +42,17 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     assert out["tau"] == bench["summary"]["tau"] >= 1.0
     assert out["turns"] == 2 and out["greedy_identical"] == 2  # fp32: the head reproduces plain greedy
     assert out["total_s"] >= out["train_s"] >= 0
-    assert set(out["speedup_vs_plain"]) == {"plain", "prompt_lookup", "eagle3"} and out["speedup_vs_plain"]["plain"] == 1.0
+    assert set(out["speedup_vs_plain"]) == {"plain", "prompt_lookup", "eagle3", "medusa"} and out["speedup_vs_plain"]["plain"] == 1.0
     assert out["tau_measure"]["eagle3"] >= 1.0 and out["tree_choice"]
     assert out["data"]["conversations"] == len(records) == out["data"]["last_distill_job"]["written"]
     assert out["train"]["head"].endswith("best") and out["train"]["tau_best"]["step"] == best["step"]
+    # the other family: same data and steps, its own τ-selected head, measured the same way beside EAGLE-3
+    assert set(out["families"]) == {"eagle3", "medusa"} and out["families"]["eagle3"]["tau"] == out["tau"]
+    med = out["families"]["medusa"]
+    medusa_bench = json.loads((run / "benchmark-medusa.json").read_text())
+    assert med["tau"] == medusa_bench["summary"]["tau"] >= 1.0 and med["greedy_identical"] == med["turns"] == 2
+    assert medusa_bench["drafter"]["drafter"] == "medusa" and (run / "medusa" / "best" / "best.json").is_file()
+    assert med["tau_best"]["step"] in (2, 4) and set(med["per_category"]) == {"a", "b"}
     hub = run / "hub"
     assert {"model.safetensors", "config.json", "README.md", "tau_table.json"} <= {f.name for f in hub.iterdir()}
     card = (hub / "README.md").read_text()
@@ -53,4 +61,8 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     again = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "distillation finished earlier" in again.stdout  # a finished time-bounded distillation is not extended
+    assert "eagle3 measured earlier" in again.stdout and "medusa measured earlier" in again.stdout
+    assert "tokens/s measured earlier" in again.stdout  # measurements newer than their heads are not repeated
+    rerun = json.loads((run / "recipe.json").read_text())["families"]
+    assert {f: v["tau"] for f, v in rerun.items()} == {f: v["tau"] for f, v in out["families"].items()}
     assert len((run / "distilled.jsonl").read_text().splitlines()) == len(records)  # nothing distilled twice
