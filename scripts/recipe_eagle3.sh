@@ -41,7 +41,8 @@ E3_ARGS=${E3_ARGS-head.draft_vocab_size=8192 head.draft_vocab_reference=sharegpt
 MEASURE=${MEASURE:-1}
 read -r -a FAM <<< "${FAMILIES:-eagle3}"
 for F in "${FAM[@]}"; do
-  [ -f "train/$F.py" ] || { echo "FAMILIES: no trainer train/$F.py for '$F' (have: $(cd train && ls ./*.py | sed 's|./||; s|\.py||' | grep -v '^_' | tr '\n' ' '))" >&2; exit 2; }
+  [ -f "train/$F.py" ] && [ -f "conf/experiment/${F}_full.yaml" ] || {
+    echo "FAMILIES: '$F' is not a family with a trainer and a +experiment=${F}_full recipe; allowed: $(cd conf/experiment && ls ./*_full.yaml | sed 's|./||; s|_full\.yaml||' | tr '\n' ' ')" >&2; exit 2; }
 done
 QUESTIONS=${QUESTIONS:-../shared/data/mt_bench.jsonl}
 MAXQ=${MAXQ:-80}

@@ -66,3 +66,13 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     rerun = json.loads((run / "recipe.json").read_text())["families"]
     assert {f: v["tau"] for f, v in rerun.items()} == {f: v["tau"] for f, v in out["families"].items()}
     assert len((run / "distilled.jsonl").read_text().splitlines()) == len(records)  # nothing distilled twice
+
+
+def test_recipe_refuses_an_unknown_family(tmp_path):
+    """A typo in FAMILIES stops the recipe before any stage runs, naming the value and the allowed families."""
+    env = dict(os.environ, RUN=str(tmp_path / "run"), FAMILIES="eagle3 medussa")
+    p = subprocess.run(["bash", str(REPO / "scripts" / "recipe_eagle3.sh")], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "FAMILIES: 'medussa'" in p.stderr and "allowed: eagle3 eagle medusa" in p.stderr
+    assert not (tmp_path / "run").exists()
