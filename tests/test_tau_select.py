@@ -181,6 +181,28 @@ def test_resume_continues_the_best_bookkeeping_exactly(tmp_path, word_target_dir
     _same_weights(killed / "final", full / "final")
 
 
+def test_resuming_a_finished_run_changes_nothing(tmp_path, word_target_dir, distilled_file, caplog):
+    """A rerun of a finished run (a recipe rerun resumes every stage) trains, measures and writes nothing: its
+    metrics rows, best/, final/ and the summary of the process that trained it stay as they were."""
+    kw = {"train.max_steps": 2 * K, "train.save_every": K, "head.num_heads": 2}
+    out = tmp_path / "run"
+    first = _run("medusa", word_target_dir, distilled_file, out, **kw)
+    assert first["seconds"] > 0 and len(first["losses"]) > 0
+    files = [out / "metrics.jsonl", out / "summary.json", out / "best" / "model.safetensors",
+             out / "final" / "model.safetensors", out / "checkpoints" / f"step-{2 * K:06d}" / "model.safetensors"]
+    before = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files}
+    with caplog.at_level("INFO"):
+        again = _run("medusa", word_target_dir, distilled_file, out, **kw, **{"train.resume": "true"})
+    assert "finished earlier at step 6" in caplog.text
+    assert again == first  # the trained run's summary, returned as it was written
+    assert {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in files} == before
+
+    # killed after its last checkpoint but before its summary: the rerun finishes it (summary, final/) as usual
+    (out / "summary.json").unlink()
+    done = _run("medusa", word_target_dir, distilled_file, out, **kw, **{"train.resume": "true"})
+    assert done["steps"] == 2 * K and done["resumed_from_step"] == 2 * K and (out / "summary.json").is_file()
+
+
 def test_bad_tau_eval_settings_fail_naming_the_key(tmp_path, word_target_dir, distilled_file):
     for key, value, words in [("train.tau_eval.every", -1, "train.tau_eval.every"),
                               ("train.tau_eval.evaluator.prompts", 0, "train.tau_eval.evaluator.prompts"),

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftheads.heads.checkpoint import atomic_write_text
 
 
 log = logging.getLogger(__name__)
@@ -223,9 +222,7 @@ class CheckpointMixin:
             set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
         self.step = step
         self._resume_tau_best(st, ts)
-        if self.metrics_path.is_file() and self.acc.is_main_process:  # drop log lines past the checkpoint
-            lines = [ln for ln in self.metrics_path.read_text().splitlines()
-                     if ln.strip() and json.loads(ln).get("step", 0) <= step]
-            atomic_write_text(self.metrics_path, "\n".join(lines) + ("\n" if lines else ""))
+        if self.acc.is_main_process:
+            trim_metrics(self.metrics_path, step)  # drop log lines past the checkpoint
         log.info("resumed from %s at step %d (data position %d)", path, step, step * self.batches.global_batch)
         return True

@@ -116,6 +116,24 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
         self.launch = {**launch_info(self.acc, self.mode), "target_sharding": self.target_sharding,
                        "engine": type(self.model).__name__}
 
+    def _finished_earlier(self) -> bool:
+        """Whether a resumed run had already reached max_steps and written final/ and its summary.json: then there is
+        nothing to train, measure or save, and redoing the final evaluation would append a second row for the last
+        step (and a τ measurement, a minute or more) and replace the summary of the run that trained with an empty
+        one. A run killed between its last checkpoint and its summary still finishes normally."""
+        summary = self.out_dir / "summary.json"
+        if self.step != self.max_steps or not (self.out_dir / "final" / "model.safetensors").is_file() or \
+                not summary.is_file():
+            return False
+        try:
+            done = json.loads(summary.read_text()).get("steps") == self.max_steps
+        except (OSError, json.JSONDecodeError):
+            return False
+        if done:
+            log.info("%s finished earlier at step %d (final/ and summary.json are there): nothing to train or measure; "
+                     "raise train.max_steps to continue it", self.out_dir, self.step)
+        return done
+
     def _start_over(self, overwrite: bool) -> None:
         """A fresh start writes its own metrics rows; with ``train.overwrite`` an earlier run's checkpoints and
         best/ go first (resolve_out_dir refused the folder otherwise)."""
@@ -235,6 +253,10 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
         elif self.step == 0 and acc.is_main_process:
             self._start_over(bool(t.get("overwrite")))
         acc.wait_for_everyone()
+        if t.resume and self._finished_earlier():
+            return TrainResult(self.out_dir, self.out_dir / "final", self.step, [], 0.0, 0.0, _peak_rss_mb(),
+                               launch=self.launch, trainable_params=self.trainable_params, tau_best=self.tau_best,
+                               start_step=self.step, finished_earlier=True)
         wandb_run = self._init_wandb()
         reset = _reset_peak_rss()
         bar = tqdm(total=self.max_steps, initial=self.step, desc="train", unit="step",

@@ -92,8 +92,11 @@ def trim_metrics(metrics_path: Path, step: int) -> None:
 
     if not metrics_path.is_file():
         return
-    lines = [ln for ln in metrics_path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    atomic_write_text(metrics_path, "\n".join(lines) + ("\n" if lines else ""))
+    text = metrics_path.read_text()
+    lines = [ln for ln in text.splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    kept = "\n".join(lines) + ("\n" if lines else "")
+    if kept != text:  # untouched when nothing goes (resuming a finished run leaves its files as they were)
+        atomic_write_text(metrics_path, kept)
 
 
 def saved_data_identity(path: Path, state: dict[str, Any]) -> dict[str, Any] | None:

@@ -34,6 +34,7 @@ class TrainResult:
     eval: dict[str, Any] | None = None  # eval_after summary (tau, tokens/s), rank 0 only
     tau_best: dict[str, Any] | None = None  # train.tau_eval: {"step", "tau"} of the head kept in best/
     start_step: int = 0  # the step this process began at (> 0 when resumed): seconds and losses cover only its steps
+    finished_earlier: bool = False  # resumed a run that had already finished: nothing ran, its summary.json stands
 
     def summary_fields(self) -> dict[str, Any]:
         """What every family's summary.json carries about scale-out (the sweep report reads these)."""
@@ -177,6 +178,10 @@ def write_summary(acc: Any, out_dir: Path, family: str, result: TrainResult, **f
     (``TrainResult.summary_fields``) and the loss curve. ``peak_rss_loop_mb`` is rank 0's peak RSS during fit()
     (the loop's measure; scripts/bench_features.py reads it). Being every entry's last call, it also ends a
     multi-process run: all ranks meet, then the process group is destroyed."""
+    if result.finished_earlier:  # the summary of the process that trained it stays (it has the losses and times)
+        summary = json.loads((Path(out_dir) / "summary.json").read_text())
+        _end_processes(acc)
+        return summary
     loop_peak = result.peak_loop_memory_mb_per_rank
     summary = {"family": family, **fields, "out_dir": str(out_dir), "final": str(result.final_dir),
                "steps": result.steps, "seconds": round(result.seconds, 1),
@@ -187,12 +192,16 @@ def write_summary(acc: Any, out_dir: Path, family: str, result: TrainResult, **f
     if acc.is_main_process:
         atomic_write_text(Path(out_dir) / "summary.json", json.dumps(summary, indent=2))
         log.info("done: %s", json.dumps(summary))
+    _end_processes(acc)
+    return summary
+
+
+def _end_processes(acc: Any) -> None:
+    """Tear the process group down before the interpreter exits: left to atexit, a gloo rank can abort with
+    "terminate called without an active exception" after a finished run, failing the whole launch."""
     if acc.num_processes > 1:
-        # Tear the process group down before the interpreter exits: left to atexit, a gloo rank can abort with
-        # "terminate called without an active exception" after a finished run, failing the whole launch.
         acc.wait_for_everyone()
         acc.end_training()
-    return summary
 
 
 def save_run_config(cfg: Any, out_dir: Path) -> None:
