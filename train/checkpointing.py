@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 
-
 log = logging.getLogger(__name__)
 
 CKPT_RE = re.compile(r"^step-(\d+)$")
