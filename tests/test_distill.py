@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from conftest import compose
@@ -424,3 +425,19 @@ def test_keys_read_per_cached_counts_the_padding_attention_reads(tiny_target_dir
     assert logits.dtype == torch.float32 and dec.cap == 64
     assert (dec.keys_read, dec.keys_cached) == (3 * 64, 11 + 12 + 13)
     assert describe(dec)["attention_keys_read_per_cached"] == round(192 / 36, 3)
+
+
+def test_decode_attention_kernel_benchmark_times_variants_that_agree(tmp_path):
+    """``bench_decode_attn.py --kernel``: the engine's attention and SDPA over the query heads compute the same
+    output (fp32), every variant is timed, and the JSON on disk is the result; a bad shape is a user error."""
+    from draftheads.scripts import bench_decode_attn
+
+    out = tmp_path / "k.json"
+    res = bench_decode_attn.main(["--kernel", "--dtype", "fp32", "--rows", "3", "--keys", "17", "--layers", "2",
+                                  "--reps", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert set(res["ms_per_step"]) == {"engine_matmuls", "sdpa_enable_gqa", "qk_only", "read_every_kv_once"}
+    assert all(v >= 0 for v in res["ms_per_step"].values()) and res["kv_mib"] > 0
+    assert res["sdpa_vs_engine_max_abs_diff"] < 1e-5
+    with pytest.raises(ValueError, match="--keys must be >= 1, got 0"):
+        bench_decode_attn.main(["--kernel", "--keys", "0", "--out", str(tmp_path / "bad.json")])
