@@ -17,6 +17,7 @@ folder on its target. ``dry_run=true`` (the default) stops there: no network at 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -83,6 +84,13 @@ def git_commit() -> str | None:
 
 
 def _sha256(path: Path) -> str:
+    """The file's digest, hashed once per (file, size, mtime): a card checks one checkpoint against many results."""
+    st = path.stat()
+    return _sha256_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):

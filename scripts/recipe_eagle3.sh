@@ -105,13 +105,13 @@ t3=$SECONDS
 stage "4/4 publish to $RUN/hub"
 python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/${FAM[0]}" out="$RUN/hub" "eval=[$RUN/benchmark.json]" \
   dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS E3_ARGS=\"$E3_ARGS\" FAMILIES=\"${FAM[*]}\" bash scripts/recipe_eagle3.sh $*'"
-FS=(); for F in "${FAM[@]}"; do FS+=("$F:${HEADS[$F]}:${TRAIN_S[$F]}:$(bench_of "$F")"); done
+FS=(); for F in "${FAM[@]}"; do FS+=("$F" "${HEADS[$F]}" "${TRAIN_S[$F]}" "$(bench_of "$F")"); done  # four per family
 python - "$RUN" "$DATA" "$HEAD" "$t1" "$t2" "$t3" "$SECONDS" "${FS[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 run, data, head, *rest = sys.argv[1:]
 t = [int(x) for x in rest[:4]]
-families = [f.split(":", 3) for f in rest[4:]]  # family:head:train seconds:benchmark JSON
+families = list(zip(*[iter(rest[4:])] * 4))  # (family, head, this run's train-stage seconds, benchmark JSON)
 res = json.loads((Path(run) / "benchmark.json").read_text())
 times = {"distill_s": t[0], "train_s": t[1] - t[0], "measure_s": t[2] - t[1], "publish_s": t[3] - t[2], "total_s": t[3]}
 out = {"tau": res["summary"]["tau"], "speedup_vs_plain_fp32": res.get("speedup_vs_plain"),
@@ -125,16 +125,22 @@ if ds.is_file():
     d = json.loads(ds.read_text())
     out["data"]["last_distill_job"] = {k: d.get(k) for k in ("written", "new_tokens", "seconds", "tokens_per_s", "dtype")}
 
-def tau_best(fam: str):
+def summary(fam: str) -> dict:
     ts = Path(run) / fam / "summary.json"
-    return json.loads(ts.read_text()).get("tau_best") if ts.is_file() else None
+    return json.loads(ts.read_text()) if ts.is_file() else {}
+
+
+def tau_best(fam: str):
+    return summary(fam).get("tau_best")
 
 
 out["train"] = {"head": head, "tau_best": tau_best(families[0][0])}
 out["families"] = {}  # every family on the same data and steps: fp32 greedy τ with its default tree, head alone
 for fam, fhead, train_s, bench in families:
     b = json.loads(Path(bench).read_text())
-    out["families"][fam] = {"head": fhead, "train_s": int(train_s), "tau_best": tau_best(fam), "benchmark": bench,
+    s = summary(fam)  # the trainer's own time: train_s is ~0 when this invocation found the family finished earlier
+    out["families"][fam] = {"head": fhead, "train_s": int(train_s), "trained_s": s.get("seconds"),
+                            "resumed_from_step": s.get("resumed_from_step"), "tau_best": tau_best(fam), "benchmark": bench,
                             "tau": b["summary"]["tau"], "per_category": {k: v["tau"] for k, v in b["summary"]["per_category"].items()},
                             "greedy_identical": b["greedy_identical"]["identical"], "turns": b["greedy_identical"]["turns"]}
 m = Path(run) / "measure" / "results.json"

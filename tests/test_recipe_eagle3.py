@@ -65,6 +65,9 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     assert "tokens/s measured earlier" in again.stdout  # measurements newer than their heads are not repeated
     rerun = json.loads((run / "recipe.json").read_text())["families"]
     assert {f: v["tau"] for f, v in rerun.items()} == {f: v["tau"] for f, v in out["families"].items()}
+    # a family finished earlier keeps the time its trainer took, not the rerun's few seconds of checking
+    assert {f: v["trained_s"] for f, v in rerun.items()} == {f: v["trained_s"] for f, v in out["families"].items()}
+    assert all(v["trained_s"] > 0 and v["resumed_from_step"] == 0 for v in rerun.values())
     assert len((run / "distilled.jsonl").read_text().splitlines()) == len(records)  # nothing distilled twice
 
 
