@@ -13,7 +13,7 @@ differently in bf16, so their answers may differ in a few tokens.
 ``--kernel`` times instead one decode step's attention alone in the slot engine (``data_prep/fastgen.py``, which
 distill uses): ``--rows`` rows attending over ``--keys`` cached keys in each of ``--layers`` layers (each layer its
 own cache, as in the engine, so nothing stays in the L3), with the engine's own ``_attend`` (two matmuls, fp32
-softmax), with SDPA over the query heads (``enable_gqa``), ``q·Kᵀ`` alone, and merely reading every K and V once
+softmax) and its SDPA path (``decode_attention=sdpa``, over the query heads with ``enable_gqa``), ``q·Kᵀ`` alone, and merely reading every K and V once
 (a max over the bytes): the last is the floor any kernel on this host pays for an unquantized cache. Defaults are SmolLM2-135M's
 shapes and the recipe job's average step (~128 rows, 320 keys).
 
@@ -29,7 +29,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,21 +74,19 @@ def kernel(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     V = [torch.randn(n, kvh, S, D, dtype=dtype) for _ in range(L)]
     q = torch.randn(n, kvh, g, D, dtype=dtype)  # [n, KVH, G, D]: each KV head's query group
     bias = torch.zeros(n, 1, 1, S)  # [n, 1, 1, S] additive mask, every key live
-    eng = SimpleNamespace(scale=D ** -0.5)
-    qh = q.reshape(n, kvh * g, 1, D)  # [n, H, 1, D] for SDPA
-    mask = bias.to(dtype)
+    eng = SimpleNamespace(scale=D ** -0.5, attention="matmul")  # the engine's own _attend, either kernel
+    sdpa = SimpleNamespace(scale=D ** -0.5, attention="sdpa")
     variants = {
         "engine_matmuls": lambda: [SlotDecoder._attend(eng, q, K[i], V[i], bias) for i in range(L)],
-        "sdpa_enable_gqa": lambda: [F.scaled_dot_product_attention(qh, K[i], V[i], attn_mask=mask, enable_gqa=True)
-                                    for i in range(L)],
+        "sdpa_enable_gqa": lambda: [SlotDecoder._attend(sdpa, q, K[i], V[i], bias) for i in range(L)],
         "qk_only": lambda: [torch.matmul(q, K[i].transpose(-1, -2)) for i in range(L)],
         # the cheapest full read found: a max over the bytes viewed as int32 (on an AMX Xeon 44 ms for 900 MiB,
         # against 58 ms for a bf16 sum and 113 ms for a sum accumulated in fp32, which are compute-bound)
         "read_every_kv_once": lambda: [(K[i].view(torch.int32).amax(), V[i].view(torch.int32).amax()) for i in range(L)],
     }
     # the timed kernels compute the same thing: SDPA against the engine on layer 0 (fp32 softmax vs SDPA's)
-    ref = SlotDecoder._attend(eng, q, K[0], V[0], bias).reshape(n, kvh * g, 1, D).float()
-    got = F.scaled_dot_product_attention(qh, K[0], V[0], attn_mask=mask, enable_gqa=True).float()
+    ref = SlotDecoder._attend(eng, q, K[0], V[0], bias).float()
+    got = SlotDecoder._attend(sdpa, q, K[0], V[0], bias).float()
     ms = {}
     for name, fn in variants.items():
         ms[name] = _median_ms(fn, args.reps)

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile", type=int, default=0, help="torch-profile this many slot decode steps")
+    ap.add_argument("--decode-attention", default="auto", help="slots engine: auto | matmul | sdpa")
     ap.add_argument("--out", default="runs/bench/distill.json")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "split_by": "prompt", "on_error": "skip"},
         "num_conversations": args.prompts, "turns": args.turns, "batch_size": args.batch, "sort_block": 2048,
         "max_new_tokens": args.new, "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
-        "top_p": 1.0, "top_k": 0, "seed": 0, "eval_questions": [str(REPO.parent / "shared/data/mt_bench.jsonl")]})
+        "top_p": 1.0, "top_k": 0, "seed": 0, "decode_attention": args.decode_attention, "eval_questions": [str(REPO.parent / "shared/data/mt_bench.jsonl")]})
     todo, info = select_prompts(cfg, target.tokenizer, *read_done(Path("/nonexistent")))
     firsts = sorted(len(prompt_ids(target.tokenizer, s + [{"role": "user", "content": u[0]}])) for _, s, u in todo)
     res = {"target": args.target, "dtype": dtype_name(target.dtype), "device": str(device),
@@ -127,7 +128,7 @@ def profile_decode(target, todo, cfg, steps: int) -> list[dict]:
 
     tok = target.tokenizer
     n = min(int(cfg.batch_size), len(todo))
-    dec = SlotDecoder(target.model, n, int(cfg.max_prompt_tokens) + int(cfg.max_new_tokens))
+    dec = SlotDecoder(target.model, n, int(cfg.max_prompt_tokens) + int(cfg.max_new_tokens), str(cfg.decode_attention))
     nxt = torch.stack([dec.prefill(i, prompt_ids(tok, s + [{"role": "user", "content": u[0]}])).argmax()
                        for i, (_, s, u) in enumerate(todo[:n])])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -192,8 +192,8 @@ def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_
         ref = [m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                           max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
                for p, n in zip(prompts, new)]
-        for groups in (1, 4):  # one attention block over the capacity | rows grouped by length
-            dec = SlotDecoder(m, 4, 64)
+        for groups, attention in ((1, "matmul"), (4, "matmul"), (1, "sdpa"), (4, "sdpa")):  # one block | by length
+            dec = SlotDecoder(m, 4, 64, attention)
             dec.GROUPS, dec.GROUP_GAIN = groups, 1
             plan, sizes = dec._plan, []
             dec._plan = lambda lens, S: sizes.append(len(pl := plan(lens, S))) or pl  # noqa: B023
@@ -221,7 +221,7 @@ def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_
                                 row_of[i] = row_of[width]
                                 moves += 1
             assert moves > 0 and (max(sizes) > 1) == (groups > 1)  # the grouped path ran when allowed
-            assert [got[j] for j in range(9)] == ref, (d, groups)
+            assert [got[j] for j in range(9)] == ref, (d, groups, attention)
 
 
 def test_every_turn_is_answered_on_the_targets_own_earlier_answers(tmp_path, tiny_target_dir):
@@ -441,3 +441,22 @@ def test_decode_attention_kernel_benchmark_times_variants_that_agree(tmp_path):
     assert res["sdpa_vs_engine_max_abs_diff"] < 1e-5
     with pytest.raises(ValueError, match="--keys must be >= 1, got 0"):
         bench_decode_attn.main(["--kernel", "--keys", "0", "--out", str(tmp_path / "bad.json")])
+
+
+def test_decode_attention_choice_is_a_fixed_rule_and_checked(tiny_target_dir):
+    """``auto`` never depends on a timing (a rerun decodes the same way): fp32 and non-CPU runs keep the matmuls;
+    an unknown kernel is a user error naming the allowed ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftheads.data_prep.fastgen import SlotDecoder, default_attention, describe
+
+    assert default_attention(torch.device("cpu"), torch.float32) == "matmul"
+    assert default_attention(torch.device("cuda"), torch.bfloat16) == "matmul"
+    amx = bool(getattr(torch.cpu, "get_capabilities", dict)().get("amx_bf16"))
+    assert default_attention(torch.device("cpu"), torch.bfloat16) == ("sdpa" if amx else "matmul")
+    m = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    assert describe(SlotDecoder(m, 2, 64))["decode_attention"] == "matmul"
+    assert describe(SlotDecoder(m, 2, 64, "sdpa"))["decode_attention"] == "sdpa"
+    with pytest.raises(ValueError, match="decode_attention must be auto, matmul or sdpa, got 'flash'"):
+        SlotDecoder(m, 2, 64, "flash")
