@@ -194,7 +194,7 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
     eos, max_new, max_prompt = tok.eos_token_id, int(cfg.max_new_tokens), int(cfg.max_prompt_tokens)
     temp, top_k, top_p = float(cfg.temperature), int(cfg.top_k or 0), float(cfg.top_p)
     slots = max(1, min(int(cfg.batch_size), len(todo)))
-    dec = SlotDecoder(target.model, slots, max_prompt + max_new, str(cfg.get("decode_attention") or "auto"))
+    dec = SlotDecoder(target.model, slots, max_prompt + max_new, str(cfg.get("decode_attention", "auto")))
     rows: list[_Row | None] = [None] * slots
     next_tok = torch.zeros(slots, dtype=torch.long, device=dec.device)
     queue = until(todo, deadline)  # conversations in flight at the deadline still finish
@@ -409,8 +409,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"turns must be 'first' or 'all', got {cfg.turns!r}")
     if cfg.engine not in ("auto", "slots", "hf"):
         raise ValueError(f"engine must be auto, slots or hf, got {cfg.engine!r}")
-    if cfg.get("decode_attention", "auto") not in ("auto", "matmul", "sdpa"):
-        raise ValueError(f"decode_attention must be auto, matmul or sdpa, got {cfg.decode_attention!r}")
+    if cfg.get("decode_attention", "auto") not in ("auto", *SlotDecoder.ATTENTION):
+        raise ValueError(f"decode_attention must be auto, {' or '.join(SlotDecoder.ATTENTION)}, "
+                         f"got {cfg.decode_attention!r}")
     target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)
     ensure_chat_template(target.tokenizer, dcfg.chat_template)

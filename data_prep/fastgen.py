@@ -46,7 +46,7 @@ class SlotDecoder:
 
     def __init__(self, model: nn.Module, slots: int, max_len: int, attention: str = "auto"):
         if attention not in ("auto", *self.ATTENTION):
-            raise ValueError(f"decode_attention must be auto, matmul or sdpa, got {attention!r}")
+            raise ValueError(f"decode_attention must be auto, {' or '.join(self.ATTENTION)}, got {attention!r}")
         if not supports(model):
             raise ValueError(f"SlotDecoder supports model types {SUPPORTED} without sliding windows, "
                              f"got {model.config.model_type!r}")
@@ -259,12 +259,14 @@ class SlotDecoder:
         plan = []
         for c, n in zip(chunks, spans):
             dead = torch.arange(n, device=lens.device)[None] > lens[c][:, None]  # [n_g, n] past each row's length
-            bias = torch.zeros(dead.shape, dtype=torch.float32, device=lens.device).masked_fill_(dead, float("-inf"))
+            dtype = self.dtype if self.attention == "sdpa" else torch.float32  # the scores' dtype in _attend
+            bias = torch.zeros(dead.shape, dtype=dtype, device=lens.device).masked_fill_(dead, float("-inf"))
             plan.append((c, n, bias[:, None, None, :]))
         return plan
 
     def _attend(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """q [n, KVH, G, D] over K, V [n, KVH, S, D] with an additive mask [n, 1, 1, S].
+        """q [n, KVH, G, D] over K, V [n, KVH, S, D] with an additive mask [n, 1, 1, S] (fp32 for ``matmul``, the
+        model's dtype for ``sdpa``: made once per step in :meth:`_plan`, not per layer).
 
         ``matmul``: two matmuls with an fp32 softmax (on bf16 scores ``softmax(dtype=float32)`` was 4x slower than
         upcasting first). ``sdpa``: torch's fused kernel over the query heads with ``enable_gqa`` (each KV head
@@ -273,7 +275,7 @@ class SlotDecoder:
         n, kvh, g, d = q.shape
         if self.attention == "sdpa":
             o = nn.functional.scaled_dot_product_attention(q.reshape(n, kvh * g, 1, d), K, V,
-                                                           attn_mask=bias.to(q.dtype), enable_gqa=True)
+                                                           attn_mask=bias, enable_gqa=True)
             return o.view(n, kvh, g, d)
         s = torch.matmul(q * self.scale, K.transpose(-1, -2)).float().add_(bias)  # [n, KVH, G, S]
         return torch.matmul(s.softmax(-1).to(V.dtype), V)  # [n, KVH, G, D]

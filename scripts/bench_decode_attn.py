@@ -76,9 +76,10 @@ def kernel(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     bias = torch.zeros(n, 1, 1, S)  # [n, 1, 1, S] additive mask, every key live
     eng = SimpleNamespace(scale=D ** -0.5, attention="matmul")  # the engine's own _attend, either kernel
     sdpa = SimpleNamespace(scale=D ** -0.5, attention="sdpa")
+    mask = bias.to(dtype)  # SDPA's mask in the model's dtype, as SlotDecoder._plan makes it
     variants = {
         "engine_matmuls": lambda: [SlotDecoder._attend(eng, q, K[i], V[i], bias) for i in range(L)],
-        "sdpa_enable_gqa": lambda: [SlotDecoder._attend(sdpa, q, K[i], V[i], bias) for i in range(L)],
+        "sdpa_enable_gqa": lambda: [SlotDecoder._attend(sdpa, q, K[i], V[i], mask) for i in range(L)],
         "qk_only": lambda: [torch.matmul(q, K[i].transpose(-1, -2)) for i in range(L)],
         # the cheapest full read found: a max over the bytes viewed as int32 (on an AMX Xeon 44 ms for 900 MiB,
         # against 58 ms for a bf16 sum and 113 ms for a sum accumulated in fp32, which are compute-bound)
@@ -86,7 +87,7 @@ def kernel(args: argparse.Namespace, dtype: torch.dtype) -> dict:
     }
     # the timed kernels compute the same thing: SDPA against the engine on layer 0 (fp32 softmax vs SDPA's)
     ref = SlotDecoder._attend(eng, q, K[0], V[0], bias).float()
-    got = SlotDecoder._attend(sdpa, q, K[0], V[0], bias).float()
+    got = SlotDecoder._attend(sdpa, q, K[0], V[0], mask).float()
     ms = {}
     for name, fn in variants.items():
         ms[name] = _median_ms(fn, args.reps)

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "split_by": "prompt", "on_error": "skip"},
         "num_conversations": args.prompts, "turns": args.turns, "batch_size": args.batch, "sort_block": 2048,
         "max_new_tokens": args.new, "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
-        "top_p": 1.0, "top_k": 0, "seed": 0, "decode_attention": args.decode_attention, "eval_questions": [str(REPO.parent / "shared/data/mt_bench.jsonl")]})
+        "top_p": 1.0, "top_k": 0, "seed": 0, "decode_attention": args.decode_attention,
+        "eval_questions": [str(REPO.parent / "shared/data/mt_bench.jsonl")]})
     todo, info = select_prompts(cfg, target.tokenizer, *read_done(Path("/nonexistent")))
     firsts = sorted(len(prompt_ids(target.tokenizer, s + [{"role": "user", "content": u[0]}])) for _, s, u in todo)
     res = {"target": args.target, "dtype": dtype_name(target.dtype), "device": str(device),
