@@ -3,7 +3,7 @@
 #   1. distill  the target answers N training-split conversations (first turns by default; TURNS=all answers every
 #               user turn on its own earlier answers) for at most DISTILL_MIN minutes; the held-out split and eval
 #               files are never distilled
-#   2. train    EAGLE-3 (+experiment=eagle3_full plus E3_ARGS) on that file, measuring τ with the real greedy loop
+#   2. train    EAGLE-3 (+experiment=eagle3_full plus EAGLE3_ARGS) on that file, measuring τ with the real greedy loop
 #               every TAU_EVERY steps on held-out prompts; best/ keeps the head with the highest τ
 #   3. measure  best/ on the benchmark questions (first turns): fp32 greedy τ per category with EAGLE-3's default
 #               tree and the head alone, and token identity with plain decoding (eval/acceptance.py; a fixed tree, so
@@ -19,9 +19,11 @@
 # time-bounded one covers more conversations on a faster host, so pin N to recipe.json's count to repeat it), DISTILL_TOKENS (answer
 # length), SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
 # TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
-# answer), E3_ARGS (space-separated EAGLE-3 overrides), FAMILIES (families trained, measured and reported side by side on
-# the same data, steps and τ selection; the first one is published; default eagle3), MEDUSA_ARGS / EAGLE_ARGS (their
-# overrides; default train.save_every=50), MEASURE (0 skips the tokens/s stage). A measurement newer than its head is
+# answer), DISTILL_ARGS (space-separated data_prep/distill.py overrides, e.g. decode_attention=matmul), FAMILIES
+# (families trained, measured and reported side by side on the same data, steps and τ selection; the first one is
+# published; default eagle3), EAGLE3_ARGS / MEDUSA_ARGS / EAGLE_ARGS (space-separated overrides for one family, as in
+# scripts/compare_families.sh; EAGLE3_ARGS defaults to the recipe's 8k vocabulary and 4 TTT steps, its old name E3_ARGS
+# still works; the others default to train.save_every=50), MEASURE (0 skips the tokens/s stage). A measurement newer than its head is
 # not repeated by a rerun (delete its JSON to measure again). Overrides given as
 # arguments go to every job; distill and measure take only the target* ones. A rerun with a different STEPS resumes
 # the newest checkpoint on the new schedule. To publish into the repo's zoo/, copy $RUN/hub there when its τ beats
@@ -37,7 +39,8 @@ SOURCE=${SOURCE:-}
 DATA=${DATA:-$RUN/distilled.jsonl}
 STEPS=${STEPS:-500}
 TAU_EVERY=${TAU_EVERY:-100}
-E3_ARGS=${E3_ARGS-head.draft_vocab_size=8192 head.draft_vocab_reference=sharegpt head.ttt_steps=4 train.save_every=50}
+EAGLE3_ARGS=${EAGLE3_ARGS-${E3_ARGS-head.draft_vocab_size=8192 head.draft_vocab_reference=sharegpt head.ttt_steps=4 train.save_every=50}}
+read -r -a DX <<< "${DISTILL_ARGS:-}"
 MEASURE=${MEASURE:-1}
 read -r -a FAM <<< "${FAMILIES:-eagle3}"
 for F in "${FAM[@]}"; do
@@ -60,15 +63,15 @@ elif [ -f "$RUN/distill.done" ]; then
   echo "distillation finished earlier ($(wc -l < "$DATA") conversations in $DATA); delete $RUN/distill.done to distill more"
 else
   python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
-    max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA"
+    max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA" "${DX[@]}"
   mkdir -p "$RUN" && date -u +%FT%TZ > "$RUN/distill.done"  # a rerun after a later stage was killed must not distill another $DISTILL_MIN minutes
 fi
 t1=$SECONDS
 
 stage "2/4 train ${FAM[*]} for $STEPS steps each, τ every $TAU_EVERY"
-family_args() {  # the overrides for family $1: E3_ARGS for eagle3, else ${FAMILY}_ARGS
+family_args() {  # the overrides for family $1: ${FAMILY}_ARGS when set, else train.save_every=50
   local v="${1^^}_ARGS"
-  if [ "$1" = eagle3 ]; then echo "$E3_ARGS"; elif [ -n "${!v+x}" ]; then echo "${!v}"; else echo "train.save_every=50"; fi
+  if [ -n "${!v+x}" ]; then echo "${!v}"; else echo "train.save_every=50"; fi
 }
 declare -A HEADS TRAIN_S
 for F in "${FAM[@]}"; do
@@ -104,7 +107,7 @@ t3=$SECONDS
 
 stage "4/4 publish to $RUN/hub"
 python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/${FAM[0]}" out="$RUN/hub" "eval=[$RUN/benchmark.json]" \
-  dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS E3_ARGS=\"$E3_ARGS\" FAMILIES=\"${FAM[*]}\" bash scripts/recipe_eagle3.sh $*'"
+  dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS DISTILL_ARGS=\"${DISTILL_ARGS:-}\" EAGLE3_ARGS=\"$EAGLE3_ARGS\" FAMILIES=\"${FAM[*]}\" bash scripts/recipe_eagle3.sh $*'"
 FS=(); for F in "${FAM[@]}"; do FS+=("$F" "${HEADS[$F]}" "${TRAIN_S[$F]}" "$(bench_of "$F")"); done  # four per family
 python - "$RUN" "$DATA" "$HEAD" "$t1" "$t2" "$t3" "$SECONDS" "${FS[@]}" <<'PY'
 import json, sys
@@ -123,7 +126,9 @@ with open(data) as f:
 ds = Path(data + ".summary.json")
 if ds.is_file():
     d = json.loads(ds.read_text())
-    out["data"]["last_distill_job"] = {k: d.get(k) for k in ("written", "new_tokens", "seconds", "tokens_per_s", "dtype")}
+    out["data"]["last_distill_job"] = {k: d.get(k) for k in ("written", "new_tokens", "seconds", "tokens_per_s", "dtype", "threads")}
+    # the decode kernel decides which bf16 answers a rerun writes (decode_attention=matmul repeats a file made before it)
+    out["data"]["last_distill_job"]["decode_attention"] = d.get("engine_stats", {}).get("decode_attention")
 
 def summary(fam: str) -> dict:
     ts = Path(run) / fam / "summary.json"

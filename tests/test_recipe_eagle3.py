@@ -22,7 +22,8 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
                                enumerate([("a", "hello there how are you"), ("b", "count one two three four")])) + "\n")
     env = dict(os.environ, RUN=str(run), N="12", TURNS="all", SOURCE=str(chat_file), DISTILL_TOKENS="8", STEPS="4", TAU_EVERY="2",
                QUESTIONS=str(qfile), MAXQ="2", NEW="8",
-               E3_ARGS="head.aux_layers=[0,1,2] head.draft_vocab_size=64 train.tau_eval.evaluator.prompts=2",
+               EAGLE3_ARGS="head.aux_layers=[0,1,2] head.draft_vocab_size=64 train.tau_eval.evaluator.prompts=2",
+               DISTILL_ARGS="decode_attention=sdpa",  # not the fp32 default (matmul): shows the overrides reach distill
                FAMILIES="eagle3 medusa", MEDUSA_ARGS="head.num_heads=2 train.tau_eval.evaluator.prompts=2",
                WANDB_MODE="disabled", DRAFTHEADS_CACHE=str(tmp_path / "cache"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -45,6 +46,7 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     assert set(out["speedup_vs_plain"]) == {"plain", "prompt_lookup", "eagle3", "medusa"} and out["speedup_vs_plain"]["plain"] == 1.0
     assert out["tau_measure"]["eagle3"] >= 1.0 and out["tree_choice"]
     assert out["data"]["conversations"] == len(records) == out["data"]["last_distill_job"]["written"]
+    assert out["data"]["last_distill_job"]["decode_attention"] == "sdpa"
     assert out["train"]["head"].endswith("best") and out["train"]["tau_best"]["step"] == best["step"]
     # the other family: same data and steps, its own τ-selected head, measured the same way beside EAGLE-3
     assert set(out["families"]) == {"eagle3", "medusa"} and out["families"]["eagle3"]["tau"] == out["tau"]
