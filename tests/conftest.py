@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,19 @@ def tiny_train_overrides(target_dir: Path, data_file: Path, out_dir: Path, **ext
     ]
     ov += [f"{k}={v}" for k, v in extra.items()]
     return ov
+
+
+def run_tree(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for commands that start their own
+    children (a recipe script's trainers, ``accelerate launch``'s workers): on a timeout or any other exit the whole
+    process group is killed. Why: ``subprocess.run`` kills only the direct child, and a timed-out recipe test left its
+    ``eval/measure.py`` running for 20 minutes beside the next job."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                          **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        finally:
+            if p.poll() is None:  # timed out or interrupted: the group, not just the shell
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)

@@ -55,3 +55,16 @@ def test_command_passes_hydra_flags_through() -> None:
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "max_length: 77" in out.stdout and "target:" in out.stdout
+
+
+def test_run_tree_kills_the_grandchildren_of_a_timed_out_command(tmp_path: Path) -> None:
+    """The helper the script tests use: a timed-out recipe must not leave its trainers running."""
+    from conftest import run_tree
+
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_tree(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=2)
+    pid = int(pid_file.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    done = run_tree(["bash", "-c", "echo out; echo err >&2; exit 3"], timeout=30)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "out\n", "err\n")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,8 +28,7 @@ def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_d
     overrides = ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true", "train.device=cpu",
                  "train.batch_size=2", "train.grad_accum=1", "data.max_length=64", "data.heldout_fraction=0.2",
                  "logging.wandb=disabled"]
-    p = subprocess.run(["bash", str(REPO / "scripts" / "compare_families.sh"), *overrides], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=900)
+    p = run_tree(["bash", str(REPO / "scripts" / "compare_families.sh"), *overrides], timeout=900, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
 
     records = [json.loads(line) for line in (run / "distilled.jsonl").read_text().splitlines()]

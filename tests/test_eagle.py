@@ -427,7 +427,7 @@ def test_acceptance_ranks_roll_the_draft_out_along_the_reference(tiny_target_dir
     D, P = 3, 8
     batch = _greedy_batch(tgt, list(range(20, 20 + P)), 16)
     ids = batch["input_ids"]
-    T, S = ids.shape[1], ids.shape[1] - 1
+    S = ids.shape[1] - 1
     obj = EagleObjective(_draft(tgt), tgt, noise="none", sim_depth=D)
     calls: list = []
     outs: list = []

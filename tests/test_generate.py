@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CHATML, make_tokenizer, tiny_model
+from conftest import tiny_model
 from draftheads.eval.drafters import MedusaDrafter
 from draftheads.eval.generate import DraftTree, NoDrafter, generate, keep_cache_positions
 from draftheads.eval.trees import chain, default_tree, static_tree

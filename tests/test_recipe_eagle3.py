@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +32,7 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
                  "train.batch_size=2", "train.grad_accum=1", "data.max_length=64", "data.heldout_fraction=0.2",
                  "logging.wandb=disabled"]
     cmd = ["bash", str(REPO / "scripts" / "recipe_eagle3.sh"), *overrides]
-    p = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    p = run_tree(cmd, timeout=900, env=env, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
 
     records = [json.loads(line) for line in (run / "distilled.jsonl").read_text().splitlines()]
@@ -60,7 +61,7 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     card = (hub / "README.md").read_text()
     assert "bash scripts/recipe_eagle3.sh" in card and "bf16" in card and "## How it was made" in card
 
-    again = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    again = run_tree(cmd, timeout=900, env=env, cwd=REPO)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "distillation finished earlier" in again.stdout  # a finished time-bounded distillation is not extended
     assert "eagle3 measured earlier" in again.stdout and "medusa measured earlier" in again.stdout

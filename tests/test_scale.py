@@ -25,7 +25,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import CONF, REPO, compose, tiny_model, tiny_train_overrides
+from conftest import CONF, REPO, compose, run_tree, tiny_model, tiny_train_overrides
 from draftheads.train.loop import accepted_lengths, list_checkpoints, lockstep_batches
 
 LAUNCH = CONF / "launch"
@@ -45,7 +45,7 @@ def _env() -> dict[str, str]:
 def _launch(config: str, nproc: int, entry: str, overrides: list[str], timeout: int = 420) -> None:
     cmd = ["accelerate", "launch", "--config_file", str(LAUNCH / f"{config}.yaml"), "--num_processes", str(nproc),
            "--main_process_port", str(_free_port()), str(REPO / "train" / f"{entry}.py"), *overrides]
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    p = run_tree(cmd, timeout=timeout, cwd=REPO, env=_env())
     assert p.returncode == 0, f"{config} launch failed:\n{p.stderr[-4000:]}"
 
 
@@ -455,7 +455,7 @@ def test_sweep_trains_evaluates_and_reports(tmp_path, tiny_target_dir, chat_file
         "train.eval_after.max_new_tokens": 8}) if not o.startswith("out_dir=")]
     cmd = [sys.executable, str(REPO / "train" / "medusa.py"), "-m", "head.num_heads=1,2", "head.num_layers=0,1",
            *ov, f"hydra.sweep.dir={sweep}"]
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    p = run_tree(cmd, timeout=600, cwd=REPO, env=_env())
     assert p.returncode == 0, p.stderr[-4000:]
     for j in range(4):
         assert (sweep / str(j) / "eval.json").is_file() and (sweep / str(j) / "summary.json").is_file()

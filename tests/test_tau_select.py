@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHATML, REPO, compose, make_tokenizer, synthetic_conversations, tiny_model, tiny_train_overrides
+from conftest import CHATML, REPO, compose, make_tokenizer, run_tree, synthetic_conversations, tiny_model, tiny_train_overrides
 
 K = 3  # train.tau_eval.every in these tests
 TAU = {"train.tau_eval.every": K, "train.tau_eval.evaluator.prompts": 6,
@@ -239,7 +239,6 @@ def test_two_process_run_measures_tau_on_rank_0_while_the_other_waits(tmp_path, 
     the barrier, both carry on; τ, best/ and the logged bookkeeping match the single-process run."""
     import os
     import socket
-    import subprocess
     import sys
 
     kw = {**TAU, "train.max_steps": 2 * K, "head.num_heads": 3}
@@ -254,7 +253,7 @@ def test_two_process_run_measures_tau_on_rank_0_while_the_other_waits(tmp_path, 
            *tiny_train_overrides(word_target_dir, distilled_file, ddp, **{**kw, "train.batch_size": 4}),
            f"hydra.run.dir={ddp}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = run_tree(cmd, timeout=600, cwd=REPO, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
     assert json.loads((ddp / "summary.json").read_text())["launch"]["num_processes"] == 2
     assert sorted(_taus(ddp)) == [K, 2 * K]
