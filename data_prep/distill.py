@@ -409,9 +409,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"turns must be 'first' or 'all', got {cfg.turns!r}")
     if cfg.engine not in ("auto", "slots", "hf"):
         raise ValueError(f"engine must be auto, slots or hf, got {cfg.engine!r}")
-    if cfg.get("decode_attention", "auto") not in ("auto", *SlotDecoder.ATTENTION):
-        raise ValueError(f"decode_attention must be auto, {' or '.join(SlotDecoder.ATTENTION)}, "
-                         f"got {cfg.decode_attention!r}")
+    SlotDecoder.check_attention(cfg.get("decode_attention", "auto"))
     target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)
     ensure_chat_template(target.tokenizer, dcfg.chat_template)

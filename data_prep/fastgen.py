@@ -44,9 +44,14 @@ class SlotDecoder:
 
     ATTENTION = ("matmul", "sdpa")
 
+    @classmethod
+    def check_attention(cls, attention: str) -> None:
+        """The one place ``decode_attention`` is validated (distill calls it before loading the target)."""
+        if attention not in ("auto", *cls.ATTENTION):
+            raise ValueError(f"decode_attention must be auto, {' or '.join(cls.ATTENTION)}, got {attention!r}")
+
     def __init__(self, model: nn.Module, slots: int, max_len: int, attention: str = "auto"):
-        if attention not in ("auto", *self.ATTENTION):
-            raise ValueError(f"decode_attention must be auto, {' or '.join(self.ATTENTION)}, got {attention!r}")
+        self.check_attention(attention)
         if not supports(model):
             raise ValueError(f"SlotDecoder supports model types {SUPPORTED} without sliding windows, "
                              f"got {model.config.model_type!r}")
@@ -257,9 +262,9 @@ class SlotDecoder:
         if not grouped or len(chunks) == 1:
             chunks, spans = [torch.arange(w, device=lens.device)], [S]
         plan = []
+        dtype = self.dtype if self.attention == "sdpa" else torch.float32  # the scores' dtype in _attend
         for c, n in zip(chunks, spans):
             dead = torch.arange(n, device=lens.device)[None] > lens[c][:, None]  # [n_g, n] past each row's length
-            dtype = self.dtype if self.attention == "sdpa" else torch.float32  # the scores' dtype in _attend
             bias = torch.zeros(dead.shape, dtype=dtype, device=lens.device).masked_fill_(dead, float("-inf"))
             plan.append((c, n, bias[:, None, None, :]))
         return plan
