@@ -52,6 +52,7 @@ class DataConfig:
 @dataclass
 class TauEvalConfig:
     every: int = 0
+    at_start: Optional[bool] = None
     evaluator: Dict[str, Any] = field(default_factory=dict)  # _target_ + its own keyword arguments
 
 

@@ -23,12 +23,11 @@ def plot_run(run: Path, out: Path | None = None) -> Path:
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist: give a training run's output directory")
     history = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
-    rows = [r for r in history if "loss" in r]
-    if not rows:
+    if not any("loss" in r for r in history):
         raise ValueError(f"{metrics} has no training rows (no 'loss')")
     best = run / "best" / "best.json"
     tau_best = json.loads(best.read_text()) if best.is_file() else None
-    ReportMixin._plot(SimpleNamespace(history=rows, tau_best=tau_best, out_dir=run))  # writes run/training.png
+    ReportMixin._plot(SimpleNamespace(history=history, tau_best=tau_best, out_dir=run))  # writes run/training.png
     if out is not None and out.resolve() != (run / "training.png").resolve():
         shutil.copyfile(run / "training.png", out)
         return out

@@ -127,6 +127,32 @@ def test_best_holds_the_head_of_the_step_with_the_highest_measured_tau(tmp_path,
     assert (out / "training.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_a_fine_tune_measures_its_starting_head_and_keeps_it_when_no_step_beats_it(tmp_path, word_target_dir,
+                                                                                 distilled_file):
+    """head.init_from: τ of the starting head is measured before step 1 (train.tau_eval.at_start=null means "when
+    the head starts from trained weights"), and it is a best/ candidate. With lr 0 every step measures the same τ,
+    so the tie keeps step 0 and best/ holds the starting head's weights."""
+    start = tmp_path / "start"
+    _run("eagle3", word_target_dir, distilled_file, start, **{"train.max_steps": 3 * K})
+    kw = {"head.init_from": start / "final", "train.max_steps": K, "optim.lr": 0.0}
+    ft = tmp_path / "ft"
+    summary = _run("eagle3", word_target_dir, distilled_file, ft, **kw)
+    taus = _taus(ft)
+    assert sorted(taus) == [0, K] and taus[0] == taus[K] > 1.0, taus
+    assert taus[0] == _taus(start)[3 * K]  # the same head on the same prompts
+    row0 = _rows(ft)[0]
+    assert row0["step"] == 0 and "loss" not in row0 and "sim_tau/chain" in row0
+    assert summary["tau_best"] == {"step": 0, "tau": taus[0]}
+    assert json.loads((ft / "best" / "best.json").read_text())["step"] == 0
+    _same_weights(ft / "best", start / "final")
+    assert (ft / "training.png").stat().st_size > 0
+    # at_start=false: no measurement before step 1, and the first measured step is best/
+    off = tmp_path / "off"
+    _run("eagle3", word_target_dir, distilled_file, off, **kw, **{"train.tau_eval.at_start": "false"})
+    assert sorted(_taus(off)) == [K] and json.loads((off / "best" / "best.json").read_text())["step"] == K
+
+
 def test_measuring_tau_does_not_change_training_and_every_0_writes_no_best(tmp_path, word_target_dir,
                                                                            distilled_file):
     kw = {"train.max_steps": 2 * K, "head.num_heads": 3}

@@ -264,6 +264,14 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
         t0, tokens = time.perf_counter(), 0.0
         start_step = self.step
         last = self.step + stop_after if stop_after is not None else self.max_steps
+        if self.step == 0 and self.tau_at_start():  # the starting head is a best/ candidate too
+            row = {"step": 0, "epoch": 0.0, **self._eval_metrics(), **self.measure_tau()}
+            self.history.append(row)
+            if acc.is_main_process:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if wandb_run is not None:
+                    wandb_run.log(row, step=0)
         window: list[dict[str, float]] = []
         while self.step < min(last, self.max_steps):
             m = self.train_step()

@@ -33,9 +33,10 @@ class ReportMixin:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        steps = [r["step"] for r in self.history]
-        acc_keys = sorted(k for k in self.history[-1] if k.startswith("top1/"))
-        taus = [(r["step"], r["tau_eval/tau"]) for r in self.history if "tau_eval/tau" in r]
+        rows = [r for r in self.history if "loss" in r]  # training rows (a τ row before step 1 has no loss)
+        steps = [r["step"] for r in rows]
+        acc_keys = sorted(k for k in rows[-1] if k.startswith("top1/")) if rows else []
+        taus = sorted({r["step"]: r["tau_eval/tau"] for r in self.history if "tau_eval/tau" in r}.items())
         fig, axes = plt.subplots(1, 3 if taus else 2, figsize=(15 if taus else 10, 3.5))
         if taus:  # train.tau_eval: measured τ per evaluation, best/'s step marked
             axes[2].plot([x for x, _ in taus], [y for _, y in taus], marker="o")
@@ -45,10 +46,10 @@ class ReportMixin:
                 axes[2].legend(fontsize=7)
             axes[2].set_xlabel("step"), axes[2].set_ylabel("τ (greedy)")
             axes[2].set_title("measured τ, held-out prompts")
-        axes[0].plot(steps, [r["loss"] for r in self.history])
+        axes[0].plot(steps, [r["loss"] for r in rows])
         axes[0].set_xlabel("step"), axes[0].set_ylabel("loss"), axes[0].set_title("training loss")
         for k in acc_keys:
-            axes[1].plot(steps, [r.get(k, float("nan")) for r in self.history], label=k)
+            axes[1].plot(steps, [r.get(k, float("nan")) for r in rows], label=k)
         axes[1].set_xlabel("step"), axes[1].set_ylabel("top-1 accuracy"), axes[1].set_title("per-head accuracy")
         if acc_keys:
             axes[1].legend(fontsize=7)

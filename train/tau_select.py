@@ -93,6 +93,18 @@ class TauMixin:
         if self.tau_every > 0 and self.target_sharding is not None:
             raise ValueError("train.tau_eval.every > 0 decodes with the frozen target on rank 0 alone, but this launch "
                              "shards it (train.shard_target): set train.shard_target=false or train.tau_eval.every=0")
+        self.tau_at_start()  # a bad train.tau_eval.at_start fails here, before any step
+
+    def tau_at_start(self) -> bool:
+        """``train.tau_eval.at_start``: measure the head before step 1 as well (null: when it starts from trained
+        weights, ``head.init_from``, so a fine-tune that only makes the head worse keeps the starting head in best/)."""
+        want = self.cfg.train.tau_eval.get("at_start")
+        if want is not None and not isinstance(want, bool):
+            raise ValueError(f"train.tau_eval.at_start must be true, false or null (null: when head.init_from is set), "
+                             f"got {want!r}")
+        if want is None:
+            want = bool(self.cfg.get("head", {}).get("init_from"))
+        return self.tau_every > 0 and want
 
     def measure_tau(self) -> dict[str, Any]:
         """Write the current head (gathered on rank 0 in every launch mode), measure τ on rank 0 while the other
