@@ -241,6 +241,15 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
             out["grad_norm"] = float(gnorm)
         return out
 
+    def _log_row(self, row: dict[str, Any], wandb_run: Any) -> None:
+        """Rank 0: one metrics.jsonl line (and a wandb log at the row's step)."""
+        if not self.acc.is_main_process:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if wandb_run is not None:
+            wandb_run.log(row, step=row["step"])
+
     def fit(self, stop_after: int | None = None) -> TrainResult:
         """Train until max_steps (or ``stop_after`` more steps, for tests); save on schedule and at the end."""
         from tqdm.auto import tqdm
@@ -267,11 +276,7 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
         if self.step == 0 and self.tau_at_start():  # the starting head is a best/ candidate too
             row = {"step": 0, "epoch": 0.0, **self._eval_metrics(), **self.measure_tau()}
             self.history.append(row)
-            if acc.is_main_process:
-                with open(self.metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                if wandb_run is not None:
-                    wandb_run.log(row, step=0)
+            self._log_row(row, wandb_run)
         window: list[dict[str, float]] = []
         while self.step < min(last, self.max_steps):
             m = self.train_step()
@@ -296,11 +301,7 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
                     row.update(self.measure_tau())
                 window = []
                 self.history.append(row)
-                if acc.is_main_process:
-                    with open(self.metrics_path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    if wandb_run is not None:
-                        wandb_run.log(row, step=self.step)
+                self._log_row(row, wandb_run)
             if int(t.save_every) > 0 and self.step % int(t.save_every) == 0 and self.step < self.max_steps:
                 self.save_checkpoint()
         bar.close()
@@ -312,11 +313,7 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
             if final_eval:
                 if self.history:
                     self.history[-1].update(final_eval)
-                if acc.is_main_process:
-                    with open(self.metrics_path, "a") as f:
-                        f.write(json.dumps({"step": self.step, **final_eval}) + "\n")
-                    if wandb_run is not None:
-                        wandb_run.log(final_eval, step=self.step)
+                self._log_row({"step": self.step, **final_eval}, wandb_run)
         ckpt = self.save_checkpoint()
         final_dir = self.out_dir / "final"
         if acc.is_main_process and self.step == self.max_steps:
