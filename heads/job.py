@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from draftheads.heads.malloc import keep_freed_memory
+
 USER_EXIT = 2
 DEBUG_ENV = ("HYDRA_FULL_ERROR", "DRAFTHEADS_DEBUG")
 
@@ -111,6 +113,7 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
 
         @functools.wraps(task)
         def entry(*args: Any, **kwargs: Any) -> Any:
+            keep_freed_memory()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
             try:
                 return hydra_entry(*args, **kwargs)
             except SystemExit as e:
@@ -125,6 +128,7 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
 
 def cli(fn: Callable[..., Any], *args: Any) -> None:
     """Run a plain script's ``main(*args)`` and exit: its int return value is the exit code (else 0)."""
+    keep_freed_memory()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
     result = guarded(fn)(*args)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
 

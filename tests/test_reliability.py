@@ -19,6 +19,12 @@ from draftheads.heads import job
 
 # --------------------------------------------------------------------------- heads/job.py in-process
 
+@pytest.fixture(autouse=True)
+def _test_process_keeps_glibc_malloc(monkeypatch):
+    """Entries called in this process must not switch the test process's malloc (tests/test_malloc.py covers it)."""
+    monkeypatch.setattr(job, "keep_freed_memory", lambda: False)
+
+
 def _hydra_app(tmp_path: Path, body):
     """A decorated entry with its own config dir: `x: 1`, run dir under tmp_path."""
     conf = tmp_path / "conf"

@@ -1,0 +1,47 @@
+"""Keep freed CPU memory for reuse instead of handing it back to the kernel (glibc's malloc only).
+
+Why: glibc serves every block above its mmap threshold (32 MiB at most) with fresh pages from the kernel and unmaps
+them on free, so each training step page-faults and zeroes its vocabulary-sized logits ([B, T, V] fp32, hundreds of
+MB) again. ``scripts/bench_allocator.py`` measured the EAGLE-3 recipe's training step 1.2x faster on a 2-core CPU
+with freed memory kept in the heap (system CPU 26 s -> 8 s over 20 steps), at a ~30% higher peak RSS.
+
+Every entry point calls :func:`keep_freed_memory` once at start. ``DRAFTHEADS_MALLOC=system`` keeps glibc's
+defaults, and so does any ``MALLOC_*`` or ``GLIBC_TUNABLES`` setting of your own (yours wins).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+ENV = "DRAFTHEADS_MALLOC"  # "system": leave glibc's defaults
+M_TRIM_THRESHOLD = -1  # <malloc.h>: -1 = never give the heap's free top back to the kernel
+M_MMAP_MAX = -4  # <malloc.h>: 0 = never serve a block with its own mmap
+
+
+def user_chose() -> bool:
+    """Whether the environment already decides malloc's behaviour (ours must not override it)."""
+    if os.environ.get(ENV, "").strip().lower() == "system":
+        return True
+    return "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ)
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc to serve large blocks from its heap and keep freed memory; True when it took effect.
+
+    A no-op (False) off Linux, on a libc without ``mallopt`` (musl, macOS), or when :func:`user_chose`."""
+    if not sys.platform.startswith("linux") or user_chose():
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, -1) == 1  # mallopt returns 1 on success
+    log.debug("malloc: keep freed memory in the heap: %s", ok)
+    return ok

@@ -1,0 +1,78 @@
+"""heads/malloc.py: entry points keep freed CPU memory for reuse, so a step's large tensors are not page-faulted
+and zeroed again every time; the user's own malloc settings win. Each case runs in a fresh process (malloc
+settings are process-wide and must not leak into the test process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftheads.heads import job, malloc
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import resource, torch
+from draftheads.heads.malloc import keep_freed_memory
+applied = keep_freed_memory()
+def once():
+    x = torch.ones(2 ** 24)  # 64 MiB, every page written
+    del x
+once(); once()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    once()
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+def _is_glibc() -> bool:
+    try:
+        return sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+glibc = pytest.mark.skipif(not _is_glibc(), reason="glibc's mallopt only")
+
+
+def _probe(**env: str) -> tuple[bool, int]:
+    e = {k: v for k, v in os.environ.items() if k != malloc.ENV and not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    e.update(env, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", PROBE], env=e, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    applied, faults = out.stdout.split()
+    return applied == "True", int(faults)
+
+
+@glibc
+def test_freed_memory_is_reused_without_page_faults_and_the_users_choice_wins():
+    pages = 5 * (2 ** 26 // os.sysconf("SC_PAGE_SIZE"))  # five 64 MiB tensors
+    applied, faults = _probe()
+    assert applied and faults < 0.02 * pages  # served from the kept heap: (almost) no new pages
+    for env in ({malloc.ENV: "system"}, {"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}):
+        applied, faults = _probe(**env)
+        assert not applied and faults > 0.9 * pages, env  # glibc's defaults: fresh pages for every tensor
+
+
+def test_user_chose_reads_the_environment(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", malloc.ENV)]:
+        monkeypatch.delenv(k)
+    assert not malloc.user_chose()
+    monkeypatch.setenv(malloc.ENV, "System")
+    assert malloc.user_chose()
+    monkeypatch.setenv(malloc.ENV, "keep")
+    assert not malloc.user_chose()
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    assert malloc.user_chose()
+
+
+def test_process_entries_apply_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(job, "keep_freed_memory", lambda: calls.append(1) or True)
+    with pytest.raises(SystemExit):
+        job.cli(lambda: 0)
+    assert calls == [1]
