@@ -33,6 +33,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from draftheads.data_prep.distill import read_done, run_hf, run_slots, select_prompts  # noqa: E402
 from draftheads.data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
 from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.malloc import keep_freed_memory  # noqa: E402
 from draftheads.heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, resolve_device  # noqa: E402
 
 
@@ -54,6 +55,7 @@ def load_avg() -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    kept = keep_freed_memory()  # as the distill job's entry does (heads/malloc.py; DRAFTHEADS_MALLOC=system: off)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="slots,hf", help="comma-separated, run in this order")
     ap.add_argument("--prompts", type=int, default=64)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     todo, info = select_prompts(cfg, target.tokenizer, *read_done(Path("/nonexistent")))
     firsts = sorted(len(prompt_ids(target.tokenizer, s + [{"role": "user", "content": u[0]}])) for _, s, u in todo)
     res = {"target": args.target, "dtype": dtype_name(target.dtype), "device": str(device),
-           "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+           "malloc_kept": kept, "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
            "prompts": len(todo), "turns": args.turns, "max_new_tokens": args.new, "temperature": args.temperature,
            "median_first_prompt_tokens": firsts[len(firsts) // 2],
            "host_cpu": cpu_facts(), "torch": torch.__version__, "load_s": round(load_s, 1), "engines": {}}
