@@ -2,8 +2,9 @@
 
 Why: glibc serves every block above its mmap threshold (32 MiB at most) with fresh pages from the kernel and unmaps
 them on free, so each training step page-faults and zeroes its vocabulary-sized logits ([B, T, V] fp32, hundreds of
-MB) again. ``scripts/bench_allocator.py`` measured the EAGLE-3 recipe's training step 1.2x faster on a 2-core CPU
-with freed memory kept in the heap (system CPU 26 s -> 8 s over 20 steps), at a ~30% higher peak RSS.
+MB) again. On a 2-core CPU the EAGLE-3 recipe's training step ran 1.2-1.3x faster over 16-20 steps
+(``scripts/bench_allocator.py``) and 1.11x over 150 micro-steps with freed memory kept in the heap, at a 25-40%
+higher peak RSS (docs/training.md, "CPU memory").
 
 Every entry point calls :func:`keep_freed_memory` once at start. ``DRAFTHEADS_MALLOC=system`` keeps glibc's
 defaults, and so does any ``MALLOC_*`` or ``GLIBC_TUNABLES`` setting of your own (yours wins).
