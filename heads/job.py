@@ -113,7 +113,7 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
 
         @functools.wraps(task)
         def entry(*args: Any, **kwargs: Any) -> Any:
-            keep_freed_memory()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
+            guarded(keep_freed_memory)()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
             try:
                 return hydra_entry(*args, **kwargs)
             except SystemExit as e:
@@ -128,7 +128,7 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
 
 def cli(fn: Callable[..., Any], *args: Any) -> None:
     """Run a plain script's ``main(*args)`` and exit: its int return value is the exit code (else 0)."""
-    keep_freed_memory()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
+    guarded(keep_freed_memory)()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
     result = guarded(fn)(*args)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
 

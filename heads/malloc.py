@@ -25,11 +25,21 @@ M_TRIM_THRESHOLD = -1  # <malloc.h>: -1 = never give the heap's free top back to
 M_MMAP_MAX = -4  # <malloc.h>: 0 = never serve a block with its own mmap
 
 
+CHOICES = ("keep", "system")  # DRAFTHEADS_MALLOC's values (unset: keep)
+
+
+def glibc_malloc_vars(env: dict[str, str] | os._Environ) -> list[str]:
+    """The environment's own glibc malloc settings (``MALLOC_*``, ``GLIBC_TUNABLES``), which always win over ours."""
+    return [k for k in env if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"]
+
+
 def user_chose() -> bool:
     """Whether the environment already decides malloc's behaviour (ours must not override it)."""
-    if os.environ.get(ENV, "").strip().lower() == "system":
-        return True
-    return "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ)
+    value = os.environ.get(ENV, "keep").strip().lower() or "keep"
+    if value not in CHOICES:
+        raise ValueError(f"environment variable {ENV}={os.environ[ENV]!r}: allowed values are {list(CHOICES)} "
+                         "(unset means keep)")
+    return value == "system" or bool(glibc_malloc_vars(os.environ))
 
 
 def keep_freed_memory() -> bool:

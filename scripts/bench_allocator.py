@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
+from draftheads.heads.malloc import glibc_malloc_vars  # noqa: E402
 
 SETTINGS: dict[str, dict[str, str]] = {
     "system": {"DRAFTHEADS_MALLOC": "system"},
@@ -66,8 +67,8 @@ def run_setting(name: str, steps: int, skip: int, overrides: list[str], work: Pa
     """Run the trainer once under one setting; its figures."""
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in {k2 for s in SETTINGS.values() for k2 in s} and not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    drop = {k for s in SETTINGS.values() for k in s} | set(glibc_malloc_vars(os.environ))
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(SETTINGS[name], WANDB_MODE="disabled")
     cmd = [sys.executable, str(REPO / "train" / "eagle3.py"), *overrides, f"train.max_steps={steps}",
            f"out_dir={out_dir}", "train.resume=false"]

@@ -68,6 +68,10 @@ def test_user_chose_reads_the_environment(monkeypatch):
     assert malloc.user_chose()
     monkeypatch.setenv(malloc.ENV, "keep")
     assert not malloc.user_chose()
+    monkeypatch.setenv(malloc.ENV, "sytem")  # a typo is an error, not a silent "keep"
+    with pytest.raises(ValueError, match="DRAFTHEADS_MALLOC='sytem': allowed values are"):
+        malloc.user_chose()
+    monkeypatch.setenv(malloc.ENV, "keep")
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
     assert malloc.user_chose()
 
