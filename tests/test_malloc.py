@@ -82,3 +82,14 @@ def test_process_entries_apply_it(monkeypatch):
     with pytest.raises(SystemExit):
         job.cli(lambda: 0)
     assert calls == [1]
+
+
+def test_a_bad_setting_is_one_line_in_the_benchmark_entry_too():
+    """scripts/bench_distill.py applies the setting itself (it records it): a typo exits 2 with one line there too."""
+    e = dict(os.environ, **{malloc.ENV: "sytem"})
+    out = subprocess.run([sys.executable, "scripts/bench_distill.py", "--help"], env=e, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: environment variable DRAFTHEADS_MALLOC='sytem': allowed values are ['keep', 'system'] (unset means keep)"]
+    assert "Traceback" not in out.stderr and out.stdout == ""
