@@ -113,7 +113,7 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
 
         @functools.wraps(task)
         def entry(*args: Any, **kwargs: Any) -> Any:
-            guarded(keep_freed_memory)()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
+            enter_process()
             try:
                 return hydra_entry(*args, **kwargs)
             except SystemExit as e:
@@ -126,9 +126,15 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
     return deco
 
 
+def enter_process() -> bool:
+    """What every process entry does first (``main``, ``cli``, benchmark scripts): CPU tensors reuse freed memory
+    (heads/malloc.py), a bad ``DRAFTHEADS_MALLOC`` being a one-line user error. Returns whether it applied."""
+    return guarded(keep_freed_memory)()
+
+
 def cli(fn: Callable[..., Any], *args: Any) -> None:
     """Run a plain script's ``main(*args)`` and exit: its int return value is the exit code (else 0)."""
-    guarded(keep_freed_memory)()  # a process entry: CPU tensors reuse freed memory (heads/malloc.py)
+    enter_process()
     result = guarded(fn)(*args)
     sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
 

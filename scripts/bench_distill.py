@@ -33,8 +33,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from draftheads.data_prep.distill import read_done, run_hf, run_slots, select_prompts  # noqa: E402
 from draftheads.data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
 from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
-from draftheads.heads.job import guarded  # noqa: E402
-from draftheads.heads.malloc import keep_freed_memory  # noqa: E402
+from draftheads.heads.job import enter_process  # noqa: E402
 from draftheads.heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, resolve_device  # noqa: E402
 
 
@@ -56,8 +55,7 @@ def load_avg() -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    # as the distill job's entry does (heads/malloc.py; DRAFTHEADS_MALLOC=system: off); a bad value: one line, exit 2
-    kept = guarded(keep_freed_memory)()
+    kept = enter_process()  # as the distill job's entry does (DRAFTHEADS_MALLOC=system: off)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="slots,hf", help="comma-separated, run in this order")
     ap.add_argument("--prompts", type=int, default=64)
