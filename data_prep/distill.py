@@ -5,7 +5,9 @@
 Heads learn the target's *own* distribution best: a draft trained on the target's answers predicts
 what the target will actually say at eval time. Output is a JSONL of ``{"id", "messages", "distill"}``
 records that ``data=file data.path=...`` trains on. ``turns=all`` (the default) answers every user turn of a
-conversation on the target's own earlier answers (as MT-bench's second turns are asked); ``temperature > 0``
+conversation on the target's own earlier answers (as MT-bench's second turns are asked); run on a file made with
+``turns=first``, it keeps those answers and asks the later turns after them, appending each extended record (the
+longer record supersedes the shorter one wherever the file is read). ``temperature > 0``
 samples, each (conversation, turn) from its own seeded generator, so a rerun reproduces it whatever the batching.
 
 The job is resumable: a record is appended per finished conversation and flushed/fsynced every few seconds; a
@@ -50,18 +52,19 @@ def prompt_signature(system: list[dict], users: list[str]) -> str:
     return conversation_key(Conversation("", list(system) + [{"role": "user", "content": u} for u in users]))
 
 
-def read_done(path: Path) -> tuple[set[str], set[str]]:
-    """Ids and prompt signatures already distilled; truncates a partially written last line (killed job)."""
+def read_done(path: Path) -> tuple[dict[str, dict], set[str]]:
+    """The records already distilled, by id (a later record of an id supersedes an earlier one), and their prompt
+    signatures; truncates a partially written last line (killed job)."""
     if not path.is_file():
-        return set(), set()
-    done: set[str] = set()
+        return {}, set()
+    done: dict[str, dict] = {}
     sigs: set[str] = set()
     good_bytes = 0
     with open(path, "rb") as f:
         for line in f:
             try:
                 rec = json.loads(line)
-                done.add(rec["id"])
+                done[rec["id"]] = rec
                 msgs = rec.get("messages") or []
                 sigs.add(prompt_signature([m for m in msgs[:1] if m.get("role") == "system"],
                                           [m.get("content", "") for m in msgs if m.get("role") == "user"]))
@@ -171,8 +174,9 @@ class _Row:
 
     def __init__(self, conv: Conversation, system: list[dict], users: list[str]):
         self.conv, self.users = conv, users
-        self.msgs: list[dict] = list(system)
-        self.turn = 0
+        self.msgs: list[dict] = list(system)  # system prompt, and the earlier turns of a record being extended
+        self.turn = 0  # index into users
+        self.turn0 = sum(m["role"] == "assistant" for m in system)  # turns answered before this job
         self.cached: list[int] = []  # token ids in this row's KV cache
         self.gen: list[int] = []  # this turn's answer so far
         self.finish: list[str] = []
@@ -268,7 +272,7 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
                     r.cached, r.gen = list(ids), []
                     if temp > 0:
                         r.rng = torch.Generator(device=dec.device).manual_seed(
-                            turn_seed(int(cfg.seed), r.conv.id, r.turn))
+                            turn_seed(int(cfg.seed), r.conv.id, r.turn0 + r.turn))
                     if not feed(i, r, int(sample_next(lg[None], temp, top_k, top_p, [r.rng])[0])):
                         todo_rows.append(i)  # answered with EOS at once: settle it again
         return empty
@@ -347,10 +351,24 @@ def run_hf(target, todo: list, cfg: Any, emit, deadline: float | None = None) ->
     return stats
 
 
-def select_prompts(cfg: DictConfig, tok, done: set[str], seen: set[str]) -> tuple[list, dict[str, Any]]:
-    """Training-split conversations still to distill, as (conversation, system, user turns), sorted by first
-    prompt length within blocks of ``sort_block`` (similar lengths share a batch); plus counts of what was skipped
-    and why."""
+def _extension(rec: dict, system: list[dict], users: list[str], temperature: float) -> list[dict] | None:
+    """The messages of a distilled record that ``turns=all`` can extend with the conversation's later user turns:
+    the same system prompt and first user turns, each answered, at the same temperature; else None."""
+    msgs = rec.get("messages") or []
+    k = sum(m.get("role") == "user" for m in msgs)
+    if not 0 < k < len(users) or float((rec.get("distill") or {}).get("temperature", -1.0)) != temperature:
+        return None
+    turns = msgs[len(system):]
+    if msgs[:len(system)] != system or [m.get("role") for m in turns] != ["user", "assistant"] * k:
+        return None
+    return msgs if [m["content"] for m in turns[::2]] == users[:k] else None
+
+
+def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) -> tuple[list, dict[str, Any]]:
+    """Training-split conversations still to distill, as (conversation, messages so far, user turns to answer),
+    sorted by next prompt length within blocks of ``sort_block`` (similar lengths share a batch); plus counts of
+    what was skipped and why. With ``turns=all``, a record in ``done`` that answered only the first turns of its
+    conversation (a ``turns=first`` file) is extended: its answers stay, the later turns are asked after them."""
     dcfg = DataConfig.from_any(cfg.data)
     eval_files = list(cfg.get("eval_questions") or [])
     refuse_eval_source(dcfg.path if dcfg.source == "file" else None, eval_files)
@@ -360,12 +378,14 @@ def select_prompts(cfg: DictConfig, tok, done: set[str], seen: set[str]) -> tupl
                                   on_error=dcfg.on_error)
     train, held = split_conversations(convs, dcfg.heldout_fraction, dcfg.split_seed, by=dcfg.split_by)
     todo: list[tuple[Conversation, list[dict], list[str]]] = []
-    skipped = {"long_prompt": 0, "duplicate_prompt": 0, "eval_prompt": 0}
+    skipped = {"long_prompt": 0, "duplicate_prompt": 0, "eval_prompt": 0, "long_history": 0}
+    n_extend = 0
     greedy = float(cfg.temperature) <= 0
     lens: dict[str, int] = {}
     for c in train:
-        if n_max is not None and len(todo) + len(done) >= n_max:
-            break
+        full = n_max is not None and len(todo) - n_extend + len(done) >= n_max  # no new conversation; extensions go on
+        if full and (cfg.turns != "all" or c.id not in done):
+            continue
         system, users = _user_turns(c)
         if not users:
             continue
@@ -377,6 +397,18 @@ def select_prompts(cfg: DictConfig, tok, done: set[str], seen: set[str]) -> tupl
             skipped["long_prompt"] += 1
             continue
         if c.id in done:
+            prefix = _extension(done[c.id], system, users, float(cfg.temperature)) if cfg.turns == "all" else None
+            if prefix is None:
+                continue
+            ask = users[sum(m["role"] == "user" for m in prefix):]
+            n_next = len(prompt_ids(tok, prefix + [{"role": "user", "content": ask[0]}]))
+            if n_next > int(cfg.max_prompt_tokens):  # the history has grown too long to ask the next turn
+                skipped["long_history"] += 1
+                continue
+            seen.add(prompt_signature(system, users))
+            lens[c.id] = n_next
+            todo.append((c, prefix, ask))
+            n_extend += 1
             continue
         ask = users if cfg.turns == "all" else users[:1]
         sig = prompt_signature(system, ask)
@@ -394,7 +426,8 @@ def select_prompts(cfg: DictConfig, tok, done: set[str], seen: set[str]) -> tupl
     # cut short by max_minutes has covered every prompt length, not just the shortest prompts
     todo = [x for b in range(0, len(todo), block) for x in sorted(todo[b:b + block], key=lambda x: lens[x[0].id])]
     info = {"source_conversations": len(convs), "train_split": len(train), "heldout_split_untouched": len(held),
-            "eval_question_files": eval_read, "eval_prompts_excluded": len(banned), "skipped": skipped}
+            "eval_question_files": eval_read, "eval_prompts_excluded": len(banned), "skipped": skipped,
+            "extending": n_extend}
     return todo, info
 
 
@@ -425,20 +458,23 @@ def main(cfg: DictConfig) -> dict[str, Any]:
              cfg.temperature, len(done), len(todo), json.dumps(info))
     # ---- loop: a record per finished conversation, flushed and fsynced every few seconds
     t0 = time.perf_counter()
-    written, turns_answered, first_users = 0, 0, []
+    written, turns_answered, extended, first_users = 0, 0, 0, []
     bar = tqdm(total=len(todo), desc="distill", unit="conv", mininterval=2.0)
     with open(out, "a", encoding="utf-8") as f:
         last_sync = [time.perf_counter()]
 
         def emit(c: Conversation, msgs: list[dict], finish: list[str]) -> None:
-            nonlocal written, turns_answered
+            nonlocal written, turns_answered, extended
+            turns_answered += len(finish)
+            if c.id in done:  # an extended record: appended whole, it supersedes the shorter one when read
+                finish = list((done[c.id].get("distill") or {}).get("turn_finish") or []) + finish
+                extended += 1
             rec = {"id": c.id, "messages": msgs,
                    "distill": {"target": target.identity.name, "revision": target.identity.revision,
                                "temperature": float(cfg.temperature), "seed": int(cfg.seed),
                                "finish": "length" if "length" in finish else "eos", "turn_finish": finish}}
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             written += 1
-            turns_answered += len(finish)
             first_users.append(next(m["content"] for m in msgs if m["role"] == "user"))
             bar.update(1)
             if time.perf_counter() - last_sync[0] > 5.0:
@@ -454,11 +490,13 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     bar.close()
     elapsed = time.perf_counter() - t0
     kinds = kind_counts(first_users)
-    summary = {"out": str(out), "written": written, "already_done": len(done), "turns_answered": turns_answered,
+    summary = {"out": str(out), "written": written, "already_done": len(done), "extended": extended,
+               "turns_answered": turns_answered,
                "left_to_do": len(todo) - written, "stopped_at_max_minutes": minutes is not None and written < len(todo),
                "skipped_long_prompt": info["skipped"]["long_prompt"],
                "skipped_duplicate_prompt": info["skipped"]["duplicate_prompt"],
-               "skipped_eval_prompt": info["skipped"]["eval_prompt"], "engine": engine, "turns": cfg.turns,
+               "skipped_eval_prompt": info["skipped"]["eval_prompt"],
+               "skipped_long_history": info["skipped"]["long_history"], "engine": engine, "turns": cfg.turns,
                "new_tokens": stats["new_tokens"], "seconds": round(elapsed, 1),
                "attn_implementation": str(cfg.target.attn_implementation),
                "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),

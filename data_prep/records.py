@@ -72,6 +72,7 @@ class LoadStats:
     format: str | None = None     # "json_array" | "jsonl" | "json_object[<key>]" | "json_record"
     truncated_at: str | None = None   # location of the partial record at the cut
     duplicate_ids: int = 0        # kept conversations whose id was already seen
+    superseded: int = 0           # conversations replaced by a longer one with the same id that extends them
     stopped_early: bool = False   # stopped because max_conversations was reached
     seconds: float = 0.0
 
@@ -90,6 +91,8 @@ class LoadStats:
             parts.append(f"fixed turns: {fmt(self.fixed)}")
         if self.duplicate_ids:
             parts.append(f"duplicate ids: {self.duplicate_ids}")
+        if self.superseded:
+            parts.append(f"superseded by their extension: {self.superseded}")
         if self.truncated_tail:
             parts.append(f"file truncated (partial record at {self.truncated_at or 'end'} dropped)")
         if self.stopped_early:

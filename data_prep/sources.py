@@ -273,6 +273,12 @@ def normalize_record(record: Any, index: int, *, fixed: dict[str, int] | None = 
 # loading
 # --------------------------------------------------------------------------- #
 
+def _extends(longer: Conversation, shorter: Conversation) -> bool:
+    """``longer`` holds every message of ``shorter`` in order, and more after them."""
+    n = len(shorter.messages)
+    return len(longer.messages) > n and longer.messages[:n] == shorter.messages
+
+
 def load_conversations(source: str = "sharegpt", path: str | None = None,
                        max_conversations: int | None = None,
                        on_error: str = "skip") -> tuple[list[Conversation], LoadStats]:
@@ -284,7 +290,10 @@ def load_conversations(source: str = "sharegpt", path: str | None = None,
     ``max_conversations`` conversations were kept.  With ``on_error="skip"``
     bad records are counted in ``stats.skipped`` by reason; with ``"raise"``
     the first one raises :class:`DataError` naming file, location, record and
-    field.  A file with nothing parseable always raises.
+    field.  A file with nothing parseable always raises.  A conversation
+    whose id was seen and whose messages extend the earlier one's (the
+    append-only way ``distill.py turns=all`` adds later turns to a first-turn
+    file) replaces it in place, counted in ``stats.superseded``.
     """
     check_on_error(on_error)
     if max_conversations is not None and max_conversations < 0:
@@ -300,7 +309,7 @@ def load_conversations(source: str = "sharegpt", path: str | None = None,
     t0 = time.perf_counter()
     stats = LoadStats(source=source)
     convs: list[Conversation] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}  # id -> index in convs of its last conversation
     if max_conversations == 0:
         stats.path = str(path)
         stats.stopped_early = True
@@ -317,10 +326,17 @@ def load_conversations(source: str = "sharegpt", path: str | None = None,
                 bump_count(stats.skipped, e.reason)
                 logger.debug("%s: skipped record %d (%s): %s", stats.path, index, loc, e.reason)
                 continue
-            if conv.id in seen:
+            j = seen.get(conv.id)
+            if j is not None and _extends(conv, convs[j]):  # e.g. distill turns=all appended a later-turn record
+                convs[j] = conv  # the longer one takes the shorter one's place
+                stats.superseded += 1
+                continue
+            if j is not None and _extends(convs[j], conv):
+                stats.superseded += 1
+                continue
+            if j is not None:
                 stats.duplicate_ids += 1
-            else:
-                seen.add(conv.id)
+            seen[conv.id] = len(convs)
             convs.append(conv)
             stats.kept += 1
             if max_conversations is not None and stats.kept >= max_conversations:

@@ -259,6 +259,37 @@ def test_every_turn_is_answered_on_the_targets_own_earlier_answers(tmp_path, tin
     assert checked == 9  # 3 two-turn + 3 × 2 three-turn later answers
 
 
+def test_turns_all_extends_a_first_turn_file_to_what_a_fresh_all_turns_run_writes(tmp_path, tiny_target_dir):
+    """A turns=first file, then turns=all on it: the first answers are kept (not generated again), the later
+    turns are asked after them, and what the file reads as equals a from-scratch turns=all run, record for record,
+    greedy (both engines) and sampled (each turn's seed is its turn number in the conversation). The extended
+    records are appended; the reader keeps the longer one, so prepared data has one row per conversation."""
+    data = _multi_turn_chats(tmp_path / "multi.jsonl")
+    common = ["max_new_tokens=6", "data.heldout_fraction=0.0", "batch_size=4"]
+    read = lambda p: {c.id: c.messages for c in load_conversations("x", path=str(p))[0]}  # noqa: E731
+    for name, extra in {"slots": ["engine=slots"], "hf": ["engine=hf", "batch_size=1"],
+                        "sampled": ["engine=slots", "temperature=0.7", "seed=3"]}.items():
+        fresh, grown = tmp_path / f"{name}-fresh.jsonl", tmp_path / f"{name}-grown.jsonl"
+        distill_main(_cfg(tiny_target_dir, data, fresh, *common, *extra, "turns=all"))
+        first = distill_main(_cfg(tiny_target_dir, data, grown, *common, *extra, "turns=first"))
+        assert first["written"] == 9 and first["turns_answered"] == 9
+        firsts = {r["id"]: r["messages"] for r in _records(grown)}
+        s = distill_main(_cfg(tiny_target_dir, data, grown, *common, *extra, "turns=all"))
+        assert (s["written"], s["extended"], s["already_done"], s["turns_answered"]) == (6, 6, 9, 3 * 1 + 3 * 2)
+        assert read(grown) == read(fresh), name  # the same conversations, whatever order the jobs wrote them in
+        assert all(read(grown)[k][:len(m)] == m for k, m in firsts.items())  # the first answers were kept
+        recs = _records(grown)
+        assert len(recs) == 15 and all(len(r["distill"]["turn_finish"]) == sum(x["role"] == "user" for x in
+                                                                                r["messages"]) for r in recs)
+        again = distill_main(_cfg(tiny_target_dir, data, grown, *common, *extra, "turns=all"))
+        assert again["written"] == 0 and again["left_to_do"] == 0
+    grown = tmp_path / "slots-grown.jsonl"
+    prepared = prepare_data({"name": "grown", "source": "file", "path": str(grown), "heldout_fraction": 0.0,
+                             "cache_dir": str(tmp_path / "cache")}, load_target({"name": str(tiny_target_dir),
+                                                                                 "dtype": "fp32"}).tokenizer)
+    assert len(prepared.train) == 9 and prepared.stats["load"]["superseded"] == 6
+
+
 def test_sampling_is_seeded_reproducible_whatever_the_batch_and_differs_from_greedy(tmp_path, tiny_target_dir):
     data = _multi_turn_chats(tmp_path / "multi.jsonl")
     common = ["turns=all", "max_new_tokens=8", "data.heldout_fraction=0.0", "engine=slots"]
@@ -379,7 +410,7 @@ def test_prompts_are_sorted_by_length_within_blocks_of_the_split_order(tmp_path,
 
     def order(block):
         cfg = _cfg(tiny_target_dir, data, tmp_path / "o.jsonl", f"sort_block={block}")
-        todo, _ = select_prompts(cfg, tok, set(), set())
+        todo, _ = select_prompts(cfg, tok, {}, set())
         return [(c.id, len(prompt_ids(tok, s + [{"role": "user", "content": u[0]}]))) for c, s, u in todo]
 
     whole, blocks = order("null"), order(5)

@@ -64,7 +64,7 @@ def assert_well_formed(conv: Conversation):
 
 def check_accounting(stats: LoadStats):
     if not stats.stopped_early:
-        assert stats.kept + sum(stats.skipped.values()) == stats.read, stats
+        assert stats.kept + sum(stats.skipped.values()) + stats.superseded == stats.read, stats
 
 
 def norm(record, index=0):
@@ -464,6 +464,24 @@ def test_dedupe_drops_normalized_repeats_and_keeps_the_first():
     # a role change is a different conversation
     swapped = Conversation("f", [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "hello!"}])
     assert conversation_key(swapped) != conversation_key(convs[0])
+
+
+def test_a_record_extending_an_earlier_one_with_its_id_takes_its_place(tmp_path):
+    """distill turns=all appends a longer record under the id of a first-turn one: the reader keeps only the
+    longer, where the shorter stood; same-id records that do not extend each other are both kept."""
+    recs = [sg("a", ("human", "q1"), ("gpt", "a1")), sg("b", ("human", "x"), ("gpt", "y")),
+            sg("c", ("human", "c1"), ("gpt", "d1"), ("human", "c2"), ("gpt", "d2")),
+            sg("a", ("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2")),  # extends a
+            sg("c", ("human", "c1"), ("gpt", "d1")),  # a prefix of c: adds nothing
+            sg("b", ("human", "x"), ("gpt", "other"))]  # same id, another answer: a duplicate id, kept
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in recs])
+    convs, st = load_conversations("x", path=str(path))
+    assert [c.id for c in convs] == ["a", "b", "c", "b"]
+    assert [m["content"] for m in convs[0].messages] == ["q1", "a1", "q2", "a2"]
+    assert len(convs[2].messages) == 4
+    assert (st.kept, st.superseded, st.duplicate_ids, st.read) == (4, 2, 1, 6)
+    check_accounting(st)
+    assert "superseded by their extension: 2" in st.summary()
 
 
 # --------------------------------------------------------------------------- embedded ShareGPT
