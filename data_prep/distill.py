@@ -378,7 +378,8 @@ def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) 
                                   on_error=dcfg.on_error)
     train, held = split_conversations(convs, dcfg.heldout_fraction, dcfg.split_seed, by=dcfg.split_by)
     todo: list[tuple[Conversation, list[dict], list[str]]] = []
-    skipped = {"long_prompt": 0, "duplicate_prompt": 0, "eval_prompt": 0, "long_history": 0}
+    skipped = {"long_prompt": 0, "duplicate_prompt": 0, "eval_prompt": 0, "long_history": 0,
+               "not_extendable": 0}
     n_extend = 0
     greedy = float(cfg.temperature) <= 0
     lens: dict[str, int] = {}
@@ -397,8 +398,12 @@ def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) 
             skipped["long_prompt"] += 1
             continue
         if c.id in done:
-            prefix = _extension(done[c.id], system, users, float(cfg.temperature)) if cfg.turns == "all" else None
+            if cfg.turns != "all":
+                continue
+            prefix = _extension(done[c.id], system, users, float(cfg.temperature))
             if prefix is None:
+                if sum(m.get("role") == "user" for m in done[c.id].get("messages") or []) < len(users):
+                    skipped["not_extendable"] += 1  # another temperature, or turns that differ: counted, kept as is
                 continue
             ask = users[sum(m["role"] == "user" for m in prefix):]
             n_next = len(prompt_ids(tok, prefix + [{"role": "user", "content": ask[0]}]))
@@ -496,7 +501,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
                "skipped_long_prompt": info["skipped"]["long_prompt"],
                "skipped_duplicate_prompt": info["skipped"]["duplicate_prompt"],
                "skipped_eval_prompt": info["skipped"]["eval_prompt"],
-               "skipped_long_history": info["skipped"]["long_history"], "engine": engine, "turns": cfg.turns,
+               "skipped_long_history": info["skipped"]["long_history"],
+               "skipped_not_extendable": info["skipped"]["not_extendable"], "engine": engine, "turns": cfg.turns,
                "new_tokens": stats["new_tokens"], "seconds": round(elapsed, 1),
                "attn_implementation": str(cfg.target.attn_implementation),
                "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),

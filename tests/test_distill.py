@@ -283,6 +283,13 @@ def test_turns_all_extends_a_first_turn_file_to_what_a_fresh_all_turns_run_write
                                                                                 r["messages"]) for r in recs)
         again = distill_main(_cfg(tiny_target_dir, data, grown, *common, *extra, "turns=all"))
         assert again["written"] == 0 and again["left_to_do"] == 0
+    other = distill_main(_cfg(tiny_target_dir, data, tmp_path / "slots-grown.jsonl", *common, "turns=all",
+                              "temperature=0.7"))  # a sampled job does not extend greedy records: counted, not written
+    assert other["written"] == 0 and other["skipped_not_extendable"] == 0  # every greedy record is already whole
+    first = tmp_path / "first-only.jsonl"
+    distill_main(_cfg(tiny_target_dir, data, first, *common, "turns=first"))
+    other = distill_main(_cfg(tiny_target_dir, data, first, *common, "turns=all", "temperature=0.7"))
+    assert other["written"] == 0 and other["extended"] == 0 and other["skipped_not_extendable"] == 6
     grown = tmp_path / "slots-grown.jsonl"
     prepared = prepare_data({"name": "grown", "source": "file", "path": str(grown), "heldout_fraction": 0.0,
                              "cache_dir": str(tmp_path / "cache")}, load_target({"name": str(tiny_target_dir),
