@@ -351,17 +351,19 @@ def run_hf(target, todo: list, cfg: Any, emit, deadline: float | None = None) ->
     return stats
 
 
-def _extension(rec: dict, system: list[dict], users: list[str], temperature: float) -> list[dict] | None:
-    """The messages of a distilled record that ``turns=all`` can extend with the conversation's later user turns:
-    the same system prompt and first user turns, each answered, at the same temperature; else None."""
+def _extension(rec: dict, system: list[dict], users: list[str], temperature: float) -> tuple[list[dict], list[str]]:
+    """What ``turns=all`` asks after a distilled record: (its messages, the conversation's user turns it has not
+    answered). No turns to ask when it answered them all; None for the messages when it cannot be extended (another
+    temperature, another system prompt, or first turns that differ from the conversation's)."""
     msgs = rec.get("messages") or []
     k = sum(m.get("role") == "user" for m in msgs)
-    if not 0 < k < len(users) or float((rec.get("distill") or {}).get("temperature", -1.0)) != temperature:
-        return None
+    if k >= len(users):
+        return msgs, []
     turns = msgs[len(system):]
-    if msgs[:len(system)] != system or [m.get("role") for m in turns] != ["user", "assistant"] * k:
-        return None
-    return msgs if [m["content"] for m in turns[::2]] == users[:k] else None
+    same = (k > 0 and float((rec.get("distill") or {}).get("temperature", -1.0)) == temperature
+            and msgs[:len(system)] == system and [m.get("role") for m in turns] == ["user", "assistant"] * k
+            and [m["content"] for m in turns[::2]] == users[:k])
+    return (msgs if same else None), users[k:]
 
 
 def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) -> tuple[list, dict[str, Any]]:
@@ -400,12 +402,12 @@ def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) 
         if c.id in done:
             if cfg.turns != "all":
                 continue
-            prefix = _extension(done[c.id], system, users, float(cfg.temperature))
-            if prefix is None:
-                if sum(m.get("role") == "user" for m in done[c.id].get("messages") or []) < len(users):
-                    skipped["not_extendable"] += 1  # another temperature, or turns that differ: counted, kept as is
+            prefix, ask = _extension(done[c.id], system, users, float(cfg.temperature))
+            if not ask:  # every turn answered already
                 continue
-            ask = users[sum(m["role"] == "user" for m in prefix):]
+            if prefix is None:
+                skipped["not_extendable"] += 1  # another temperature, or turns that differ: counted, kept as is
+                continue
             n_next = len(prompt_ids(tok, prefix + [{"role": "user", "content": ask[0]}]))
             if n_next > int(cfg.max_prompt_tokens):  # the history has grown too long to ask the next turn
                 skipped["long_history"] += 1

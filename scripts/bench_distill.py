@@ -12,7 +12,8 @@ until its queue ran dry (every row working): what a job over thousands of conver
 figure also holds the tail, where rows retire one by one and the longest prompts of the sort run last. Shared machines are noisy: the JSON records the load average
 before and after each engine, the threads, the dtype and the host's CPU flags next to every figure, and the slot
 engine's split of its time (prefill, decode forward, sampling). ``--profile N`` adds a torch profile of N decode
-steps (top ops by CPU time).
+steps (top ops by CPU time). ``ceiling`` (on unless ``--no-ceiling``) times the target's linear layers alone at the
+job's decode and prefill widths: the most new tokens/s any engine could reach on this host (:func:`linear_ceiling`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--profile", type=int, default=0, help="torch-profile this many slot decode steps")
     ap.add_argument("--decode-attention", default="auto", help="slots engine: auto | matmul | sdpa")
+    ap.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the target's linear layers alone: the most this host could reach")
     ap.add_argument("--out", default="runs/bench/distill.json")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
@@ -118,11 +121,63 @@ def main(argv: list[str] | None = None) -> dict:
         res["identical_conversations"] = f"{same}/{len(answers['hf'])}"  # bf16 rounds by batch shape: not all
     if args.profile and "slots" in e:
         res["profile_top_ops"] = profile_decode(target, todo, cfg, args.profile)
+    if args.ceiling and "slots" in e:
+        st = e["slots"]["stats"]
+        res["ceiling"] = linear_ceiling(target.model, args.batch, st["prefill_tokens"] / max(st["new_tokens"], 1))
+        res["ceiling"]["slots_share_of_ceiling"] = round(
+            e["slots"]["tokens_per_s"] / res["ceiling"]["new_tokens_per_s_linear_only"], 3)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "profile_top_ops"}))
     return res
+
+
+@torch.inference_mode()
+def linear_ceiling(model: torch.nn.Module, rows: int, prefill_per_new: float, prefill_rows: int = 2048,
+                   reps: int = 5) -> dict:
+    """The most new tokens/s any engine could distill at on this host, counting only the target's linear layers.
+
+    Why: whatever an engine does about attention, padding or scheduling, every new token costs one pass through
+    every linear layer at decode width (``rows`` tokens at once, lm_head included) and every prompt token one
+    pass at prefill width (lm_head excluded: only a row's last position is sampled). Timing exactly those GEMMs
+    (fused q|k|v and gate|up, as the slot engine runs them) gives an upper bound that needs no model of the
+    kernels: ``1 / (1/decode_rate + prefill_per_new/prefill_rate)``. When the bound is below a target, no engine
+    reaches it on this host without cutting arithmetic (a smaller or quantized target)."""
+    cfg, p = model.config, model.get_output_embeddings().weight
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    gemms = []  # (weight [out, in]) in the order a block runs them
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        gemms += [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), a.o_proj.weight,
+                  torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight]
+
+    def seconds(n: int, lm_head: bool) -> float:
+        xs = {k: torch.randn(n, k, dtype=p.dtype, device=p.device) for k in {g.shape[1] for g in gemms} | {p.shape[1]}}
+
+        def once() -> None:
+            for w in gemms:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            if lm_head:
+                torch.nn.functional.linear(xs[p.shape[1]], p)
+        once()  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2]
+
+    decode_rate = rows / seconds(rows, True)
+    prefill_rate = prefill_rows / seconds(prefill_rows, False)
+    bound = 1.0 / (1.0 / decode_rate + prefill_per_new / prefill_rate)
+    gflop = 2 * (sum(w.numel() for w in gemms) + p.numel()) / 1e9
+    return {"decode_rows": rows, "decode_linear_tokens_per_s": round(decode_rate, 1),
+            "decode_linear_gflop_per_s": round(decode_rate * gflop, 1), "prefill_rows": prefill_rows,
+            "prefill_linear_tokens_per_s": round(prefill_rate, 1),
+            "prefill_tokens_per_new_token": round(prefill_per_new, 3),
+            "new_tokens_per_s_linear_only": round(bound, 1), "load_after": load_avg()}
 
 
 def profile_decode(target, todo, cfg, steps: int) -> list[dict]:

@@ -498,3 +498,24 @@ def test_decode_attention_choice_is_a_fixed_rule_and_checked(tiny_target_dir):
     assert describe(SlotDecoder(m, 2, 64, "sdpa"))["decode_attention"] == "sdpa"
     with pytest.raises(ValueError, match="decode_attention must be auto, matmul or sdpa, got 'flash'"):
         SlotDecoder(m, 2, 64, "flash")
+
+
+def test_distill_benchmark_ceiling_times_every_linear_layer_and_combines_prefill(tiny_target_dir):
+    """``bench_distill.py``'s ceiling: the GEMMs timed are exactly the target's linear layers (every block's q|k|v,
+    o, gate|up, down and the lm_head at decode width), and the bound combines decode and prefill rates as
+    1 / (1/decode + r/prefill), so it equals the decode rate with no prefill and falls below both with some."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftheads.scripts.bench_distill import linear_ceiling
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype=torch.float32).eval()
+    params = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    res = linear_ceiling(m, rows=4, prefill_per_new=0.5, prefill_rows=16, reps=1)
+    d, p = res["decode_linear_tokens_per_s"], res["prefill_linear_tokens_per_s"]
+    assert d > 0 and p > 0
+    assert res["decode_linear_gflop_per_s"] == pytest.approx(d * 2 * params / 1e9, rel=0.01)
+    assert res["new_tokens_per_s_linear_only"] == pytest.approx(1 / (1 / d + 0.5 / p), rel=0.01)
+    assert res["new_tokens_per_s_linear_only"] < min(d, 2 * p)
+    alone = linear_ceiling(m, rows=4, prefill_per_new=0.0, prefill_rows=16, reps=1)
+    assert alone["new_tokens_per_s_linear_only"] == pytest.approx(alone["decode_linear_tokens_per_s"], rel=0.01)
