@@ -144,9 +144,7 @@ def linear_ceiling(model: torch.nn.Module, rows: int, prefill_per_new: float, pr
     (fused q|k|v and gate|up, as the slot engine runs them) gives an upper bound that needs no model of the
     kernels: ``1 / (1/decode_rate + prefill_per_new/prefill_rate)``. When the bound is below a target, no engine
     reaches it on this host without cutting arithmetic (a smaller or quantized target)."""
-    cfg, p = model.config, model.get_output_embeddings().weight
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    p = model.get_output_embeddings().weight
     gemms = []  # (weight [out, in]) in the order a block runs them
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
