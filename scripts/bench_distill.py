@@ -172,7 +172,8 @@ def linear_ceiling(model: torch.nn.Module, rows: int, prefill_per_new: float, pr
     bound = 1.0 / (1.0 / decode_rate + prefill_per_new / prefill_rate)
     gflop = 2 * (sum(w.numel() for w in gemms) + p.numel()) / 1e9
     return {"decode_rows": rows, "decode_linear_tokens_per_s": round(decode_rate, 1),
-            "decode_linear_gflop_per_s": round(decode_rate * gflop, 1), "prefill_rows": prefill_rows,
+            "decode_linear_gflop_per_s": round(decode_rate * gflop, 1), "gflop_per_token": round(gflop, 6),
+            "prefill_rows": prefill_rows,
             "prefill_linear_tokens_per_s": round(prefill_rate, 1),
             "prefill_tokens_per_new_token": round(prefill_per_new, 3),
             "new_tokens_per_s_linear_only": round(bound, 1), "load_after": load_avg()}
