@@ -172,11 +172,11 @@ def turn_seed(seed: int, conv_id: str, turn: int) -> int:
 class _Row:
     """One conversation in flight in a slot."""
 
-    def __init__(self, conv: Conversation, system: list[dict], users: list[str]):
+    def __init__(self, conv: Conversation, history: list[dict], users: list[str]):
         self.conv, self.users = conv, users
-        self.msgs: list[dict] = list(system)  # system prompt, and the earlier turns of a record being extended
+        self.msgs: list[dict] = list(history)  # system prompt, and the earlier turns of a record being extended
         self.turn = 0  # index into users
-        self.turn0 = sum(m["role"] == "assistant" for m in system)  # turns answered before this job
+        self.turn0 = sum(m["role"] == "assistant" for m in history)  # turns answered before this job
         self.cached: list[int] = []  # token ids in this row's KV cache
         self.gen: list[int] = []  # this turn's answer so far
         self.finish: list[str] = []

@@ -327,14 +327,11 @@ def load_conversations(source: str = "sharegpt", path: str | None = None,
                 logger.debug("%s: skipped record %d (%s): %s", stats.path, index, loc, e.reason)
                 continue
             j = seen.get(conv.id)
-            if j is not None and _extends(conv, convs[j]):  # e.g. distill turns=all appended a later-turn record
-                convs[j] = conv  # the longer one takes the shorter one's place
-                stats.superseded += 1
-                continue
-            if j is not None and _extends(convs[j], conv):
-                stats.superseded += 1
-                continue
             if j is not None:
+                if _extends(conv, convs[j]) or _extends(convs[j], conv):  # e.g. distill turns=all added later turns
+                    convs[j] = max(conv, convs[j], key=lambda c: len(c.messages))  # the longer one keeps the place
+                    stats.superseded += 1
+                    continue
                 stats.duplicate_ids += 1
             seen[conv.id] = len(convs)
             convs.append(conv)

@@ -56,14 +56,19 @@ def first_turn_prompts(tokenizer, n: int, max_tokens: int) -> list[list[int]]:
     return out
 
 
-def _median_ms(fn, reps: int) -> float:
+def median_seconds(fn, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn`` after one warm-up call (unrounded: tiny shapes take microseconds)."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return round(1000 * sorted(times)[len(times) // 2], 2)
+    return sorted(times)[len(times) // 2]
+
+
+def _median_ms(fn, reps: int) -> float:
+    return round(1000 * median_seconds(fn, reps), 2)
 
 
 def kernel(args: argparse.Namespace, dtype: torch.dtype) -> dict:

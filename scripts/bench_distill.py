@@ -36,6 +36,7 @@ from draftheads.data_prep.template import ensure_chat_template, prompt_ids  # no
 from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
 from draftheads.heads.job import enter_process  # noqa: E402
 from draftheads.heads.target import TargetConfig, bf16_is_fast, dtype_name, load_target, resolve_device  # noqa: E402
+from draftheads.scripts.bench_decode_attn import median_seconds  # noqa: E402
 
 
 def cpu_facts() -> dict:
@@ -159,13 +160,7 @@ def linear_ceiling(model: torch.nn.Module, rows: int, prefill_per_new: float, pr
                 torch.nn.functional.linear(xs[w.shape[1]], w)
             if lm_head:
                 torch.nn.functional.linear(xs[p.shape[1]], p)
-        once()  # warm-up
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[len(times) // 2]
+        return median_seconds(once, reps)
 
     decode_rate = rows / seconds(rows, True)
     prefill_rate = prefill_rows / seconds(prefill_rows, False)
