@@ -193,7 +193,8 @@ def until(items: Any, deadline: float | None, clock: Any = time.monotonic):
 
 def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None) -> dict[str, Any]:
     """Continuous batching over a static KV cache (see :mod:`data_prep.fastgen`). Rows whose turn ended in a
-    step are refilled together: their next prompts go through one batched prefill."""
+    step are refilled together: with ``refill=merged`` their next prompts are prefilled inside the next decode
+    step's forward (the rows wait that one step), with ``refill=separate`` in batched prefills of their own."""
     tok = target.tokenizer
     eos, max_new, max_prompt = tok.eos_token_id, int(cfg.max_new_tokens), int(cfg.max_prompt_tokens)
     temp, top_k, top_p = float(cfg.temperature), int(cfg.top_k or 0), float(cfg.top_p)
@@ -202,7 +203,8 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
     rows: list[_Row | None] = [None] * slots
     next_tok = torch.zeros(slots, dtype=torch.long, device=dec.device)
     queue = until(todo, deadline)  # conversations in flight at the deadline still finish
-    stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefill_calls": 0, "decode_steps": 0, "new_tokens": 0,
+    stats = {"prefill_tokens": 0, "reused_tokens": 0, "prefill_calls": 0, "prefills_in_decode_steps": 0,
+             "decode_steps": 0, "new_tokens": 0,
              "prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0}  # where the time goes (the rest: templating)
 
     def next_prompt(r: _Row) -> list[int] | None:
@@ -245,36 +247,43 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
                 return None, None
             r = _Row(*job)
 
+    def start(i: int, ids: list[int], keep: int, lg: torch.Tensor) -> bool:
+        """Row i's prompt ids were just prefilled (logits lg [V] follow them): begin its answer. False when the
+        first token already ends it (the row is settled again)."""
+        r = rows[i]
+        stats["reused_tokens"] += keep
+        r.cached, r.gen = list(ids), []
+        if temp > 0:
+            r.rng = torch.Generator(device=dec.device).manual_seed(
+                turn_seed(int(cfg.seed), r.conv.id, r.turn0 + r.turn))
+        return feed(i, r, int(sample_next(lg[None], temp, top_k, top_p, [r.rng])[0]))
+
+    def settle(free: list[int]) -> tuple[list[tuple[int, list[int], int]], list[int]]:
+        """Each free row's next turn or the next conversation: (prefill jobs (row, ids, keep), rows left empty)."""
+        jobs, empty = [], []
+        for i in free:
+            rows[i], ids = advance(rows[i])
+            if ids is None:
+                empty.append(i)
+            else:  # earlier turns of the conversation stay cached
+                jobs.append((i, ids, min(common_prefix(rows[i].cached, ids), len(ids) - 1)))
+        return jobs, empty
+
     def refill(free: list[int]) -> list[int]:
-        """Give each free row (its turn ended, or it is empty) its next turn or the next conversation; all their
-        prompts are prefilled together. Returns the rows left empty (no conversation left to start)."""
-        empty, todo_rows = [], list(free)
-        while todo_rows:
-            jobs = []
-            for i in todo_rows:
-                rows[i], ids = advance(rows[i])
-                if ids is None:
-                    empty.append(i)
-                else:
-                    keep = min(common_prefix(rows[i].cached, ids), len(ids) - 1)  # earlier turns stay cached
-                    jobs.append((i, ids, keep))
-            todo_rows = []
+        """Settle the free rows, prefilling all their prompts together (forwards of their own). Returns the rows
+        left empty (no conversation left to start)."""
+        empty = []
+        while free:
+            jobs, gone = settle(free)
+            empty += gone
+            free = []
             for chunk in _token_chunks(jobs, dec.PREFILL_TOKENS):
-                n = sum(len(ids) - keep for _, ids, keep in chunk)
                 t = time.perf_counter()
                 logits = dec.prefill_many(chunk)  # [n, V]
                 stats["prefill_s"] += time.perf_counter() - t
                 stats["prefill_calls"] += 1
-                stats["prefill_tokens"] += n
-                for (i, ids, keep), lg in zip(chunk, logits):
-                    r = rows[i]
-                    stats["reused_tokens"] += keep
-                    r.cached, r.gen = list(ids), []
-                    if temp > 0:
-                        r.rng = torch.Generator(device=dec.device).manual_seed(
-                            turn_seed(int(cfg.seed), r.conv.id, r.turn0 + r.turn))
-                    if not feed(i, r, int(sample_next(lg[None], temp, top_k, top_p, [r.rng])[0])):
-                        todo_rows.append(i)  # answered with EOS at once: settle it again
+                stats["prefill_tokens"] += sum(len(ids) - keep for _, ids, keep in chunk)
+                free += [i for (i, ids, keep), lg in zip(chunk, logits) if not start(i, ids, keep, lg)]
         return empty
 
     def compact(empty: list[int], width: int) -> int:
@@ -285,25 +294,43 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
                 dec.move(width, i)
                 rows[i], rows[width] = rows[width], None
                 next_tok[i] = next_tok[width]
+                if width in pending:
+                    pending[i] = pending.pop(width)
         return width
 
+    merged = str(cfg.get("refill", "merged")) == "merged"
+    pending: dict[int, tuple[list[int], int]] = {}  # merged refills: row -> (prompt ids, kept prefix) to prefill
     t_start = time.perf_counter()
     width = compact(refill(list(range(slots))), slots)
     while width > 0:
         if width < slots and "drained_s" not in stats:  # the queue ran dry: from here on rows only retire
             stats["drained_s"] = time.perf_counter() - t_start
             stats["new_tokens_before_drain"] = stats["new_tokens"]
+        jobs = [(i, ids, keep) for i, (ids, keep) in sorted(pending.items())]  # every pending refill rides this step
         t = time.perf_counter()
-        logits = dec.decode(next_tok[:width])  # [w, V]
+        logits, first = dec.step(next_tok[:width], jobs)  # [w, V], [n, V]
         t1 = time.perf_counter()
-        toks = sample_next(logits, temp, top_k, top_p, [rows[i].rng for i in range(width)]).tolist()
+        live = [i for i in range(width) if i not in pending]  # a row being prefilled decodes nothing
+        toks = sample_next(logits if len(live) == width else logits[live], temp, top_k, top_p,
+                           [rows[i].rng for i in live]).tolist() if live else []
         stats["decode_s"] += t1 - t
         stats["sample_s"] += time.perf_counter() - t1
         stats["decode_steps"] += 1
-        done = [i for i in range(width) if not feed(i, rows[i], toks[i])]
+        done = [i for i, tk in zip(live, toks) if not feed(i, rows[i], tk)]
+        pending.clear()
+        for (i, ids, keep), lg in zip(jobs, first):
+            stats["prefill_tokens"] += len(ids) - keep
+            stats["prefills_in_decode_steps"] += 1
+            if not start(i, ids, keep, lg):
+                done.append(i)
         if not done:
             continue
-        width = compact(refill(done), width)
+        if merged:
+            jobs, empty = settle(done)
+            pending.update((i, (ids, keep)) for i, ids, keep in jobs)
+        else:
+            empty = refill(done)
+        width = compact(empty, width)
     stats.update(describe(dec))
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}
 
@@ -449,6 +476,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"turns must be 'first' or 'all', got {cfg.turns!r}")
     if cfg.engine not in ("auto", "slots", "hf"):
         raise ValueError(f"engine must be auto, slots or hf, got {cfg.engine!r}")
+    if cfg.get("refill", "merged") not in ("merged", "separate"):
+        raise ValueError(f"refill must be merged or separate, got {cfg.refill!r}")
     SlotDecoder.check_attention(cfg.get("decode_attention", "auto"))
     target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)

@@ -126,7 +126,7 @@ class SlotDecoder:
         self.k, self.v, self.cap = views[:half], views[half:], cap
 
     # ---- the blocks
-    def _qkv(self, attn: nn.Module, h: torch.Tensor, pos: torch.Tensor):
+    def _qkv(self, attn: nn.Module, h: torch.Tensor):
         """Projected, normed (Qwen3) and rotated q [n, H, T, D], k, v [n, KVH, T, D] for hidden h [n, T, hid]."""
         n, T, _ = h.shape
         f = self.fused[attn.layer_idx]
@@ -163,7 +163,6 @@ class SlotDecoder:
 
     PREFILL_TOKENS = 2048  # new tokens per prefill forward: long enough that the GEMMs run near their peak
 
-    @torch.inference_mode()
     def prefill_many(self, jobs: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """:meth:`prefill` for several rows ``(row, ids, start)`` in one forward; returns logits [n, V].
 
@@ -171,23 +170,54 @@ class SlotDecoder:
         ~650 tokens/s, decode of 128 rows at ~800); here the linear layers see every row's new tokens as one
         sequence and only attention runs per row (each over its own cache, causal from its ``start``). Logits stay
         in the model's dtype (:func:`sample_next` upcasts them only to sample)."""
+        return self.step(torch.empty(0, dtype=torch.long, device=self.device), jobs)[1]
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token to each of rows ``0..len(tokens)-1`` and return their next-token logits [w, V] in the
+        model's dtype: greedy picks need no upcast (for 256 x 49k bf16 logits, upcast + argmax took 26 ms, the
+        bf16 ``max`` 9 ms)."""
+        return self.step(tokens, [])[0]
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, jobs: list[tuple[int, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward that decodes rows ``0..w-1`` (one token each, ``w = len(tokens)``) and prefills ``jobs``
+        ``(row, ids, start)`` together; returns (decode logits [w, V], prefill logits [n, V]).
+
+        Why together: a refill's prompt (~75 tokens for a first turn) alone makes GEMMs that run at ~60% of a decode
+        step's rate; riding on a step's 128 rows it costs about half as long. A row may be in both: its decode
+        output is then meaningless (the caller ignores it) and its prefill, written after the decode within each
+        layer, replaces whatever the decode wrote."""
+        w = tokens.shape[0]
         for row, ids, start in jobs:
             if len(ids) - start <= 0 or len(ids) > self.max_len:
                 raise ValueError(f"prefill of {len(ids)} ids from {start} does not fit a row of {self.max_len}")
-        need = max(len(ids) for _, ids, _ in jobs)
-        if need > self.cap:
+        lens = self.lens[:w]  # [w] position of each decoded row's new token
+        need = max([int(lens.max()) + 1] if w else [], default=0)
+        need = max([need] + [len(ids) for _, ids, _ in jobs])
+        if need > self.cap or (w and self.cap - need > 2 * self.CHUNK):  # only decode shrinks the layout
             self._fit(need)
-        spans, flat, pos = [], [], []
+        spans, flat, pos = [], tokens.tolist(), lens.tolist()  # the decoded rows first, then every job's new ids
         for row, ids, start in jobs:
             spans.append((row, len(flat), len(ids) - start, start))
             flat += ids[start:]
             pos += range(start, len(ids))
-        x = self.base.embed_tokens(torch.tensor([flat], device=self.device))  # [1, ΣT, hid]
+        x = self.base.embed_tokens(torch.tensor([flat], device=self.device))  # [1, N, hid]
         self._cos_sin = self.base.rotary_emb(x, torch.tensor([pos], device=self.device))
+        rows = torch.arange(w, device=self.device)
+        plan = self._plan(lens, self.cap) if w else []
+        if w:
+            self.keys_read += sum(len(c) * n for c, n, _ in plan)
+            self.keys_cached += int(lens.sum()) + w
 
         def attend(attn, h):
-            q, k, v = self._qkv(attn, h, None)  # q [1, H, ΣT, D]; k, v [1, KVH, ΣT, D]
+            q, k, v = self._qkv(attn, h)  # q [1, H, N, D]; k, v [1, KVH, N, D]
             li, out = attn.layer_idx, []
+            if w:
+                self.k[li][rows, :, lens] = k[0, :, :w].transpose(0, 1)
+                self.v[li][rows, :, lens] = v[0, :, :w].transpose(0, 1)
+                # each KV head serves its query group at once
+                qd = q[0, :, :w].transpose(0, 1).reshape(w, self.n_kv, self.group, self.head_dim)
+                out.append(self._decode_attend(li, qd, plan).reshape(w, -1))
             for row, a, T, start in spans:
                 end = start + T
                 self.k[li][row, :, start:end] = k[0, :, a:a + T]
@@ -197,51 +227,26 @@ class SlotDecoder:
                 o = nn.functional.scaled_dot_product_attention(q[:, :, a:a + T], K, V, attn_mask=mask,
                                                                scale=self.scale, enable_gqa=self.group > 1)
                 out.append(o[0].transpose(0, 1).reshape(T, -1))  # [T, H*D]
-            return torch.cat(out)[None]
-
-        for layer in self.base.layers:
-            x = self._block(layer, x, attend)
-        last = torch.tensor([a + T - 1 for _, a, T, _ in spans], device=self.device)
-        for row, ids, _ in jobs:
-            self.lens[row] = len(ids)
-        return self.model.get_output_embeddings()(self._norm(self.base.norm, x[0, last]))  # [n, V]
-
-    @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append one token to each of rows ``0..len(tokens)-1`` and return their next-token logits [w, V] in the
-        model's dtype: greedy picks need no upcast (for 256 x 49k bf16 logits, upcast + argmax took 26 ms, the
-        bf16 ``max`` 9 ms)."""
-        w = tokens.shape[0]
-        lens = self.lens[:w]  # [w] position of the new token per row
-        need = int(lens.max()) + 1
-        if need > self.cap or self.cap - need > 2 * self.CHUNK:
-            self._fit(need)
-        S = self.cap  # attend over the whole (contiguous) capacity; positions past a row's length are masked
-        x = self.base.embed_tokens(tokens[:, None])  # [w, 1, hid]
-        pos = lens[:, None]  # [w, 1]
-        self._cos_sin = self.base.rotary_emb(x, pos)
-        rows = torch.arange(w, device=self.device)
-        plan = self._plan(lens, S)
-        self.keys_read += sum(len(c) * n for c, n, _ in plan)
-        self.keys_cached += int(lens.sum()) + w
-
-        def attend(attn, h):
-            q, k, v = self._qkv(attn, h, pos)  # q [w, H, 1, D]; k, v [w, KVH, 1, D]
-            li = attn.layer_idx
-            self.k[li][rows, :, lens] = k[:, :, 0]
-            self.v[li][rows, :, lens] = v[:, :, 0]
-            q = q.reshape(w, self.n_kv, self.group, self.head_dim)  # each KV head serves its query group at once
-            if len(plan) == 1:  # lengths alike: the whole contiguous block, no copy
-                return self._attend(q, self.k[li][:w], self.v[li][:w], plan[0][2]).reshape(w, 1, -1)
-            o = torch.empty_like(q)
-            for idx, n, bias in plan:  # ragged lengths: each group of rows only up to its own longest row
-                o[idx] = self._attend(q[idx], self.k[li][idx, :, :n], self.v[li][idx, :, :n], bias)
-            return o.reshape(w, 1, -1)
+            return torch.cat(out)[None]  # [1, N, H*D]
 
         for layer in self.base.layers:
             x = self._block(layer, x, attend)
         self.lens[:w] += 1
-        return self.model.get_output_embeddings()(self._norm(self.base.norm, x[:, 0]))  # [w, V]
+        for row, ids, _ in jobs:
+            self.lens[row] = len(ids)
+        last = torch.tensor(list(range(w)) + [a + T - 1 for _, a, T, _ in spans], device=self.device)
+        logits = self.model.get_output_embeddings()(self._norm(self.base.norm, x[0, last]))  # [w + n, V]
+        return logits[:w], logits[w:]
+
+    def _decode_attend(self, li: int, q: torch.Tensor, plan) -> torch.Tensor:
+        """Layer ``li``'s attention for the decoded rows' queries q [w, KVH, G, D] over their caches."""
+        w = q.shape[0]
+        if len(plan) == 1:  # lengths alike: the whole contiguous block, no copy
+            return self._attend(q, self.k[li][:w], self.v[li][:w], plan[0][2])
+        o = torch.empty_like(q)
+        for idx, n, bias in plan:  # ragged lengths: each group of rows only up to its own longest row
+            o[idx] = self._attend(q[idx], self.k[li][idx, :, :n], self.v[li][idx, :, :n], bias)
+        return o
 
     GROUPS = 4  # row groups for ragged attention
     GROUP_GAIN = 4  # group only when that reads this many times fewer keys (gathering rows copies them)

@@ -1,11 +1,12 @@
 """Benchmark the self-distillation job's generation: new tokens/s of its engines on the same prompts. Writes JSON.
 
-    python scripts/bench_distill.py [--engines slots,hf] [--prompts 64] [--new 128] [--batch 64] [--hf-batch 16]
-                                    [--dtype auto] [--turns first] [--out runs/bench/distill.json]
+    python scripts/bench_distill.py [--engines slots,slots-separate,hf] [--prompts 64] [--new 128] [--batch 64]
+                                    [--hf-batch 16] [--dtype auto] [--turns first] [--out runs/bench/distill.json]
 
 Why: the distill job's speed decides how much training data a CPU can make (issue 22 asks >= 1,000 new tokens/s
 for SmolLM2-135M on a 2-core CPU). This runs the job's own engines (``data_prep.distill.run_slots`` and
-``run_hf``) one after the other in one process on the first ``--prompts`` conversations of ShareGPT's training
+``run_hf``; ``slots-separate`` is the slot engine with ``refill=separate``) one after the other in one process
+on the first ``--prompts`` conversations of ShareGPT's training
 split (the job's own prompt selection: eval prompts excluded, greedy duplicates skipped, sorted by length), so the
 ratio between them is measured in one time window. ``tokens_per_s_all_rows_busy`` is the slot engine's rate
 until its queue ran dry (every row working): what a job over thousands of conversations runs at; the overall
@@ -59,7 +60,8 @@ def load_avg() -> list[float]:
 def main(argv: list[str] | None = None) -> dict:
     kept = enter_process()  # as the distill job's entry does (DRAFTHEADS_MALLOC=system: off)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default="slots,hf", help="comma-separated, run in this order")
+    ap.add_argument("--engines", default="slots,hf",
+                    help="comma-separated, run in this order: slots | slots-separate (refills prefilled apart) | hf")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new", type=int, default=128, help="max new tokens per answer")
     ap.add_argument("--batch", type=int, default=64, help="slot engine: KV-cache rows")
@@ -97,13 +99,14 @@ def main(argv: list[str] | None = None) -> dict:
            "host_cpu": cpu_facts(), "torch": torch.__version__, "load_s": round(load_s, 1), "engines": {}}
     answers = {}
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        if engine not in ("slots", "hf"):
-            raise ValueError(f"--engines: unknown engine {engine!r}; expected slots or hf")
-        ecfg = OmegaConf.merge(cfg, {"batch_size": args.batch if engine == "slots" else args.hf_batch})
+        if engine not in ("slots", "slots-separate", "hf"):
+            raise ValueError(f"--engines: unknown engine {engine!r}; expected slots, slots-separate or hf")
+        ecfg = OmegaConf.merge(cfg, {"batch_size": args.hf_batch if engine == "hf" else args.batch,
+                                     "refill": "separate" if engine == "slots-separate" else "merged"})
         got: dict[str, list] = {}
         before = load_avg()
         t = time.perf_counter()
-        stats = (run_slots if engine == "slots" else run_hf)(
+        stats = (run_hf if engine == "hf" else run_slots)(
             target, todo, ecfg, lambda c, msgs, fin: got.__setitem__(c.id, [m["content"] for m in msgs]))
         dt = time.perf_counter() - t
         answers[engine] = got
@@ -120,6 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
         res["speedup_slots_over_hf"] = round(e["slots"]["tokens_per_s"] / e["hf"]["tokens_per_s"], 2)
         same = sum(answers["slots"].get(k) == v for k, v in answers["hf"].items())
         res["identical_conversations"] = f"{same}/{len(answers['hf'])}"  # bf16 rounds by batch shape: not all
+    if "slots" in e and "slots-separate" in e:
+        res["speedup_merged_over_separate_refills"] = round(
+            e["slots"]["tokens_per_s"] / e["slots-separate"]["tokens_per_s"], 3)
+        same = sum(answers["slots"].get(k) == v for k, v in answers["slots-separate"].items())
+        res["identical_conversations_merged_separate"] = f"{same}/{len(answers['slots-separate'])}"
     if args.profile and "slots" in e:
         res["profile_top_ops"] = profile_decode(target, todo, cfg, args.profile)
     if args.ceiling and "slots" in e:

@@ -176,7 +176,8 @@ def _multi_turn_chats(path, n=9):
 
 def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_dir, tiny_qwen2_dir):
     """Token for token: 9 prompts of 3-40 tokens through 4 cache rows (refilled, rows moved down as they retire)
-    against Hugging Face generate on each prompt alone, for a Llama and a Qwen2 (biased q/k/v) target."""
+    against Hugging Face generate on each prompt alone, for a Llama and a Qwen2 (biased q/k/v) target; refills
+    prefilled alone or inside the next decode step (``step``), where the refilled row also decodes a stale token."""
     import random
 
     import torch
@@ -192,26 +193,39 @@ def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_
         ref = [m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                           max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
                for p, n in zip(prompts, new)]
-        for groups, attention in ((1, "matmul"), (4, "matmul"), (1, "sdpa"), (4, "sdpa")):  # one block | by length
+        for groups, attention, merged in ((1, "matmul", False), (4, "matmul", False), (1, "sdpa", False),
+                                          (4, "sdpa", False), (1, "matmul", True), (4, "sdpa", True)):
             dec = SlotDecoder(m, 4, 64, attention)
             dec.GROUPS, dec.GROUP_GAIN = groups, 1
             plan, sizes = dec._plan, []
             dec._plan = lambda lens, S: sizes.append(len(pl := plan(lens, S))) or pl  # noqa: B023
-            queue, row_of, got = list(range(9)), [None] * 4, {}
+            queue, row_of, got, pend = list(range(9)), [None] * 4, {}, {}  # pend: row -> prompt in the next step
 
             def start(i):
                 j = queue.pop(0)
-                row_of[i], got[j] = j, [int(dec.prefill(i, prompts[j]).argmax())]
+                row_of[i] = j
+                if merged:  # prefilled inside the next decode step, where row i also decodes a stale token
+                    pend[i] = j
+                else:
+                    got[j] = [int(dec.prefill(i, prompts[j]).argmax())]
 
             for i in range(4):
-                start(i)
-            width, moves = 4, 0
+                row_of[i] = queue.pop(0)
+                got[row_of[i]] = [int(dec.prefill(i, prompts[row_of[i]]).argmax())]
+            width, moves, rode = 4, 0, 0
             while width:
-                nxt = dec.decode(torch.tensor([got[row_of[i]][-1] for i in range(width)])).argmax(-1).tolist()
+                jobs = [(i, prompts[j], 0) for i, j in sorted(pend.items())]
+                last = [got[row_of[i]][-1] if i not in pend else 1 for i in range(width)]
+                logits, first = dec.step(torch.tensor(last), jobs)
+                nxt = logits.argmax(-1).tolist()
                 for i in range(width):
-                    got[row_of[i]].append(nxt[i])
+                    if i not in pend:
+                        got[row_of[i]].append(nxt[i])
+                for (i, _, _), lg in zip(jobs, first):
+                    got[pend.pop(i)] = [int(lg.argmax())]
+                    rode += 1
                 for i in reversed(range(width)):
-                    if len(got[row_of[i]]) == new[row_of[i]]:
+                    if i not in pend and len(got[row_of[i]]) == new[row_of[i]]:
                         if queue:
                             start(i)
                         else:
@@ -219,9 +233,12 @@ def test_slot_decoder_batched_greedy_equals_unbatched_generate_fp32(tiny_target_
                             if i != width:
                                 dec.move(width, i)
                                 row_of[i] = row_of[width]
+                                if width in pend:
+                                    pend[i] = pend.pop(width)
                                 moves += 1
             assert moves > 0 and (max(sizes) > 1) == (groups > 1)  # the grouped path ran when allowed
-            assert [got[j] for j in range(9)] == ref, (d, groups, attention)
+            assert (rode > 0) == merged
+            assert [got[j] for j in range(9)] == ref, (d, groups, attention, merged)
 
 
 def test_every_turn_is_answered_on_the_targets_own_earlier_answers(tmp_path, tiny_target_dir):
@@ -235,10 +252,17 @@ def test_every_turn_is_answered_on_the_targets_own_earlier_answers(tmp_path, tin
     common = ["turns=all", "max_new_tokens=6", "data.heldout_fraction=0.0"]
     s = distill_main(_cfg(tiny_target_dir, data, tmp_path / "slots.jsonl", *common, "engine=slots", "batch_size=4"))
     h = distill_main(_cfg(tiny_target_dir, data, tmp_path / "hf.jsonl", *common, "engine=hf", "batch_size=1"))
+    a = distill_main(_cfg(tiny_target_dir, data, tmp_path / "apart.jsonl", *common, "engine=slots", "batch_size=4",
+                          "refill=separate"))
     recs = {r["id"]: r for r in _records(tmp_path / "slots.jsonl")}
     assert {r["id"]: r for r in _records(tmp_path / "hf.jsonl")} == recs  # batched == unbatched, every turn
+    assert {r["id"]: r for r in _records(tmp_path / "apart.jsonl")} == recs  # refills merged or apart: the same
     assert s["written"] == h["written"] == 9 and s["turns_answered"] == 3 + 3 * 2 + 3 * 3 == 18
-    assert s["engine_stats"]["reused_tokens"] > 0  # turn 2 and 3 prefilled only their new suffix
+    assert s["engine_stats"]["reused_tokens"] == a["engine_stats"]["reused_tokens"] > 0  # later turns: suffix only
+    assert s["engine_stats"]["prefill_tokens"] == a["engine_stats"]["prefill_tokens"]
+    # the first 4 rows are prefilled in forwards of their own; merged, every later turn and conversation rode a step
+    assert s["engine_stats"]["prefills_in_decode_steps"] == 18 - 4
+    assert a["engine_stats"]["prefills_in_decode_steps"] == 0
 
     target = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     tok = target.tokenizer
@@ -304,11 +328,12 @@ def test_sampling_is_seeded_reproducible_whatever_the_batch_and_differs_from_gre
     for name, extra in {"a": ["temperature=0.7", "seed=1", "batch_size=4"],
                         "b": ["temperature=0.7", "seed=1", "batch_size=7"],
                         "c": ["temperature=0.7", "seed=2", "batch_size=4"],
+                        "apart": ["temperature=0.7", "seed=1", "batch_size=4", "refill=separate"],
                         "greedy": ["batch_size=4"]}.items():
         distill_main(_cfg(tiny_target_dir, data, tmp_path / f"{name}.jsonl", *common, *extra))
         runs[name] = {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"]
                       for r in _records(tmp_path / f"{name}.jsonl")}
-    assert len(runs["a"]) == 9 and runs["a"] == runs["b"]  # same seed, other batch size: the same samples
+    assert len(runs["a"]) == 9 and runs["a"] == runs["b"] == runs["apart"]  # same seed, other batch: same samples
     answers = lambda run: [a for k in sorted(run) for a in run[k]]  # noqa: E731
     n = len(answers(runs["a"]))
     assert n == 18
@@ -498,6 +523,12 @@ def test_decode_attention_choice_is_a_fixed_rule_and_checked(tiny_target_dir):
     assert describe(SlotDecoder(m, 2, 64, "sdpa"))["decode_attention"] == "sdpa"
     with pytest.raises(ValueError, match="decode_attention must be auto, matmul or sdpa, got 'flash'"):
         SlotDecoder(m, 2, 64, "flash")
+
+
+def test_refill_mode_is_checked_before_the_target_loads(tmp_path):
+    with pytest.raises(ValueError, match="refill must be merged or separate, got 'both'"):
+        distill_main(_cfg(tmp_path / "no-such-model", _chats(tmp_path / "c.jsonl"), tmp_path / "o.jsonl",
+                          "refill=both"))
 
 
 def test_distill_benchmark_ceiling_times_every_linear_layer_and_combines_prefill(tiny_target_dir):
