@@ -52,6 +52,34 @@ def prompt_signature(system: list[dict], users: list[str]) -> str:
     return conversation_key(Conversation("", list(system) + [{"role": "user", "content": u} for u in users]))
 
 
+def parse_shard(spec: Any, env: dict[str, str] | None = None) -> tuple[int, int]:
+    """``shard`` as (index, count): ``i/n``, or ``auto`` = the ``RANK``/``WORLD_SIZE`` a torchrun or accelerate
+    launch sets (one process per GPU), else ``0/1``."""
+    env = os.environ if env is None else env
+    text = str(spec).strip()
+    if text == "auto":
+        text = f"{env.get('RANK', 0)}/{env.get('WORLD_SIZE', 1)}"
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ValueError(f"shard must be auto or i/n with 0 <= i < n (e.g. 0/4), got {spec!r}")
+    return i, n
+
+
+def shard_of(system: list[dict], users: list[str], n: int) -> int:
+    """Which of ``n`` shards a conversation belongs to: a hash of its system prompt and first user turn, so
+    prompts that greedy distillation would answer alike (and a conversation's later turns) stay in one shard."""
+    digest = hashlib.sha256(prompt_signature(system, users[:1]).encode()).digest()
+    return int.from_bytes(digest[:8], "big") % n
+
+
+def shard_path(out: Path, i: int, n: int) -> Path:
+    """Shard i of n writes ``<name>.shard<i>of<n><suffix>`` beside ``out`` (``out`` itself when n == 1)."""
+    return out if n == 1 else out.with_name(f"{out.stem}.shard{i}of{n}{out.suffix}")
+
+
 def read_done(path: Path) -> tuple[dict[str, dict], set[str]]:
     """The records already distilled, by id (a later record of an id supersedes an earlier one), and their prompt
     signatures; truncates a partially written last line (killed job)."""
@@ -405,11 +433,13 @@ def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) 
     n_max = None if cfg.num_conversations is None else int(cfg.num_conversations)
     convs, _ = load_conversations(dcfg.source, dcfg.path, None if n_max is None else n_max * 2 + 100,
                                   on_error=dcfg.on_error)
+    shard, n_shards = parse_shard(cfg.get("shard", "auto"))
+    n_max = None if n_max is None else -(-n_max // n_shards)  # the limit is shared out among the shards
     train, held = split_conversations(convs, dcfg.heldout_fraction, dcfg.split_seed, by=dcfg.split_by)
     todo: list[tuple[Conversation, list[dict], list[str]]] = []
     skipped = {"long_prompt": 0, "duplicate_prompt": 0, "eval_prompt": 0, "long_history": 0,
                "not_extendable": 0}
-    n_extend = 0
+    n_extend = other_shards = 0
     greedy = float(cfg.temperature) <= 0
     lens: dict[str, int] = {}
     for c in train:
@@ -418,6 +448,9 @@ def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) 
             continue
         system, users = _user_turns(c)
         if not users:
+            continue
+        if n_shards > 1 and shard_of(system, users, n_shards) != shard:
+            other_shards += 1
             continue
         if any(_norm(u) in banned for u in users):
             skipped["eval_prompt"] += 1
@@ -461,7 +494,7 @@ def select_prompts(cfg: DictConfig, tok, done: dict[str, dict], seen: set[str]) 
     todo = [x for b in range(0, len(todo), block) for x in sorted(todo[b:b + block], key=lambda x: lens[x[0].id])]
     info = {"source_conversations": len(convs), "train_split": len(train), "heldout_split_untouched": len(held),
             "eval_question_files": eval_read, "eval_prompts_excluded": len(banned), "skipped": skipped,
-            "extending": n_extend}
+            "extending": n_extend, "shard": f"{shard}/{n_shards}", "left_to_other_shards": other_shards}
     return todo, info
 
 
@@ -479,6 +512,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("refill", "merged") not in ("merged", "separate"):
         raise ValueError(f"refill must be merged or separate, got {cfg.refill!r}")
     SlotDecoder.check_attention(cfg.get("decode_attention", "auto"))
+    shard, n_shards = parse_shard(cfg.get("shard", "auto"))
+    if str(cfg.device) == "auto" and "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per launched process
     target = load_target(cfg.target, device=resolve_device(cfg.device))
     dcfg = DataConfig.from_any(cfg.data)
     ensure_chat_template(target.tokenizer, dcfg.chat_template)
@@ -486,7 +522,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if engine == "slots" and not supports(target.model):
         raise ValueError(f"engine=slots supports Llama/Qwen2/Qwen3-style targets without sliding windows; "
                          f"{target.config.model_type!r} needs engine=hf")
-    out = Path(cfg.out)
+    out = shard_path(Path(cfg.out), shard, n_shards)
     out.parent.mkdir(parents=True, exist_ok=True)
     done, seen = read_done(out)
     todo, info = select_prompts(cfg, target.tokenizer, done, seen)

@@ -68,6 +68,34 @@ def test_greedy_distill_answers_each_prompt_once_and_only_training_prompts(tmp_p
     assert s3["written"] == 0 and _records(out) == recs2
 
 
+def test_shards_together_write_what_one_job_writes(tmp_path, tiny_target_dir, monkeypatch):
+    """shard=i/n (or a launcher's RANK/WORLD_SIZE): each process distills its own part into its own file, the parts
+    are disjoint, repeated prompts stay in one shard (each answered once overall), the shard files together hold
+    exactly the records of one unsharded job, and num_conversations is shared out. A bad spec is a user error."""
+    from draftheads.data_prep.distill import parse_shard
+
+    data = _chats(tmp_path / "chats.jsonl")
+    distill_main(_cfg(tiny_target_dir, data, tmp_path / "one.jsonl"))
+    whole = {r["id"]: r for r in _records(tmp_path / "one.jsonl")}
+    parts = []
+    for i in range(3):
+        s = distill_main(_cfg(tiny_target_dir, data, tmp_path / "d.jsonl", f"shard={i}/3"))
+        assert s["out"] == str(tmp_path / f"d.shard{i}of3.jsonl") and s["shard"] == f"{i}/3"
+        parts.append({r["id"]: r for r in _records(tmp_path / f"d.shard{i}of3.jsonl")})
+    assert all(len(p) >= 5 for p in parts) and sum(map(len, parts)) == len(whole)  # disjoint, none empty
+    assert {k: v for p in parts for k, v in p.items()} == whole  # fp32 greedy: the same records
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    again = distill_main(_cfg(tiny_target_dir, data, tmp_path / "d.jsonl"))  # shard=auto under a launcher: resumes 1/3
+    assert again["shard"] == "1/3" and again["written"] == 0 and again["already_done"] == len(parts[1])
+    limited = distill_main(_cfg(tiny_target_dir, data, tmp_path / "few.jsonl", "num_conversations=10"))
+    assert limited["written"] == 4  # ceil(10 / 3) for this shard
+    assert parse_shard("auto", {}) == (0, 1) and parse_shard("2/4") == (2, 4)
+    for bad in ("4/4", "1", "a/b", "-1/2"):
+        with pytest.raises(ValueError, match="shard must be auto or i/n with 0 <= i < n"):
+            parse_shard(bad)
+
+
 def test_sampled_distill_keeps_repeated_prompts(tmp_path, tiny_target_dir):
     """With temperature > 0 each copy gets its own sample: repeats are data, not duplicates."""
     data = _chats(tmp_path / "chats.jsonl")
