@@ -578,3 +578,22 @@ def test_distill_benchmark_ceiling_times_every_linear_layer_and_combines_prefill
     assert res["new_tokens_per_s_linear_only"] < min(d, 2 * p)
     alone = linear_ceiling(m, rows=4, prefill_per_new=0.0, prefill_rows=16, reps=1)
     assert alone["new_tokens_per_s_linear_only"] == pytest.approx(alone["decode_linear_tokens_per_s"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_ceiling_for_several_processes_sums_their_linear_rates(tmp_path, tiny_target_dir):
+    """``bench_ceiling_procs.py``: every process times the target's linear layers at once; the host's rates are the
+    sums and the ceiling follows the same formula as bench_distill's; the JSON on disk is the result."""
+    from draftheads.scripts.bench_ceiling_procs import main as ceiling_main
+
+    out = tmp_path / "c.json"
+    res = ceiling_main(["--processes", "2", "--threads", "1", "--rows", "4", "--reps", "2", "--r", "0.5",
+                        "--target", str(tiny_target_dir), "--dtype", "fp32", "--load-seconds", "8",
+                        "--out", str(out)])
+    per = res["per_process_decode_tokens_per_s"]
+    assert len(per) == 2 and all(x > 0 for x in per) and res["decode_linear_tokens_per_s"] == round(sum(per), 1)
+    dec, pre = res["decode_linear_tokens_per_s"], res["prefill_linear_tokens_per_s"]
+    assert res["ceiling_new_tokens_per_s"]["0.5"] == pytest.approx(1 / (1 / dec + 0.5 / pre), rel=1e-3)
+    assert json.loads(out.read_text()) == res
+    with pytest.raises(ValueError, match="--processes must be >= 1, got 0"):
+        ceiling_main(["--processes", "0"])
