@@ -19,7 +19,9 @@
 # time-bounded one covers more conversations on a faster host, so pin N to recipe.json's count to repeat it), DISTILL_TOKENS (answer
 # length), SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
 # TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
-# answer), DISTILL_ARGS (space-separated data_prep/distill.py overrides, e.g. decode_attention=matmul), FAMILIES
+# answer), DISTILL_ARGS (space-separated data_prep/distill.py overrides, e.g. decode_attention=matmul), DISTILL_PROCS
+# (distillation processes, default 1: with N > 1, torchrun runs N one-thread shards, +28% on a 2-core EPYC with 2, or
+# one per GPU; their files are merged into DATA when they finish; a DATA made by one process is not extended), FAMILIES
 # (families trained, measured and reported side by side on the same data, steps and τ selection; the first one is
 # published; default eagle3), EAGLE3_ARGS / MEDUSA_ARGS / EAGLE_ARGS (space-separated overrides for one family, as in
 # scripts/compare_families.sh; EAGLE3_ARGS defaults to the recipe's 8k vocabulary and 4 TTT steps, its old name E3_ARGS
@@ -42,6 +44,8 @@ TAU_EVERY=${TAU_EVERY:-100}
 EAGLE3_ARGS=${EAGLE3_ARGS-${E3_ARGS-head.draft_vocab_size=8192 head.draft_vocab_reference=sharegpt head.ttt_steps=4 train.save_every=50}}
 read -r -a DX <<< "${DISTILL_ARGS:-}"
 MEASURE=${MEASURE:-1}
+DISTILL_PROCS=${DISTILL_PROCS:-1}
+[[ "$DISTILL_PROCS" =~ ^[1-9][0-9]*$ ]] || { echo "DISTILL_PROCS must be a whole number >= 1, got '$DISTILL_PROCS'" >&2; exit 2; }
 read -r -a FAM <<< "${FAMILIES:-eagle3}"
 for F in "${FAM[@]}"; do
   [ -f "train/$F.py" ] && [ -f "conf/experiment/${F}_full.yaml" ] || {
@@ -62,8 +66,19 @@ if [ "$DISTILL_MIN" = 0 ]; then
 elif [ -f "$RUN/distill.done" ]; then
   echo "distillation finished earlier ($(wc -l < "$DATA") conversations in $DATA); delete $RUN/distill.done to distill more"
 else
-  python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS" \
-    max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA" "${DX[@]}"
+  D=(data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS"
+     max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA" "${DX[@]}")
+  if [ "$DISTILL_PROCS" -gt 1 ]; then
+    SHARD0="${DATA%.*}.shard0of$DISTILL_PROCS.${DATA##*.}"  # data_prep/distill.py's shard_path
+    if [ -s "$DATA" ] && [ ! -e "$SHARD0" ]; then
+      echo "DISTILL_PROCS=$DISTILL_PROCS: $DATA was distilled by one process and its shards would not extend it; use DISTILL_PROCS=1 or another DATA" >&2
+      exit 2
+    fi
+    torchrun --standalone --nproc_per_node "$DISTILL_PROCS" "${D[@]}"
+    python -m draftheads.data_prep.distill_merge "$DATA" "$DISTILL_PROCS"
+  else
+    python "${D[@]}"
+  fi
   mkdir -p "$RUN" && date -u +%FT%TZ > "$RUN/distill.done"  # a rerun after a later stage was killed must not distill another $DISTILL_MIN minutes
 fi
 t1=$SECONDS

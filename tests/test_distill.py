@@ -597,3 +597,26 @@ def test_ceiling_for_several_processes_sums_their_linear_rates(tmp_path, tiny_ta
     assert json.loads(out.read_text()) == res
     with pytest.raises(ValueError, match="--processes must be >= 1, got 0"):
         ceiling_main(["--processes", "0"])
+
+
+def test_shard_files_merge_into_one_file_and_summary(tmp_path, tiny_target_dir):
+    """distill_merge: the shards of a 2-process job concatenated in shard order into ``out`` (what one job
+    writes, record for record), one summary adding theirs up; a missing shard is a user error naming it."""
+    from draftheads.data_prep.distill_merge import main as merge_main
+    from draftheads.data_prep.distill_merge import merge_shards
+
+    data = _chats(tmp_path / "chats.jsonl")
+    for i in range(2):
+        distill_main(_cfg(tiny_target_dir, data, tmp_path / "d.jsonl", f"shard={i}/2"))
+    distill_main(_cfg(tiny_target_dir, data, tmp_path / "one.jsonl"))
+    s = merge_shards(tmp_path / "d.jsonl", 2)
+    merged = _records(tmp_path / "d.jsonl")
+    assert merged == _records(tmp_path / "d.shard0of2.jsonl") + _records(tmp_path / "d.shard1of2.jsonl")
+    assert sorted(merged, key=lambda r: r["id"]) == sorted(_records(tmp_path / "one.jsonl"), key=lambda r: r["id"])
+    assert s["records"] == s["written"] == len(merged) and s["shards"] == 2
+    assert json.loads((tmp_path / "d.jsonl.summary.json").read_text())["new_tokens"] == s["new_tokens"] > 0
+    (tmp_path / "d.shard1of2.jsonl").unlink()
+    with pytest.raises(ValueError, match="shard files missing: .*d.shard1of2.jsonl"):
+        merge_shards(tmp_path / "d.jsonl", 2)
+    with pytest.raises(SystemExit, match="usage"):
+        merge_main(["only-one-arg"])

@@ -25,6 +25,7 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
                QUESTIONS=str(qfile), MAXQ="2", NEW="8",
                EAGLE3_ARGS="head.aux_layers=[0,1,2] head.draft_vocab_size=64 train.tau_eval.evaluator.prompts=2",
                DISTILL_ARGS="decode_attention=sdpa",  # not the fp32 default (matmul): shows the overrides reach distill
+               DISTILL_PROCS="2",  # torchrun: two shard processes, merged into distilled.jsonl
                FAMILIES="eagle3 medusa", MEDUSA_ARGS="head.num_heads=2 train.tau_eval.evaluator.prompts=2",
                WANDB_MODE="disabled", DRAFTHEADS_CACHE=str(tmp_path / "cache"),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -37,6 +38,8 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
 
     records = [json.loads(line) for line in (run / "distilled.jsonl").read_text().splitlines()]
     assert records and all(r["messages"][-1]["role"] == "assistant" for r in records)
+    shards = [[json.loads(x) for x in (run / f"distilled.shard{i}of2.jsonl").read_text().splitlines()] for i in (0, 1)]
+    assert all(shards) and shards[0] + shards[1] == records  # both processes wrote, merged in shard order
     best = json.loads((run / "eagle3" / "best" / "best.json").read_text())
     assert best["step"] in (2, 4)
     out = json.loads((run / "recipe.json").read_text())
@@ -72,6 +75,20 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     assert {f: v["trained_s"] for f, v in rerun.items()} == {f: v["trained_s"] for f, v in out["families"].items()}
     assert all(v["trained_s"] > 0 and v["resumed_from_step"] == 0 for v in rerun.values())
     assert len((run / "distilled.jsonl").read_text().splitlines()) == len(records)  # nothing distilled twice
+
+
+def test_recipe_refuses_shards_over_a_one_process_file(tmp_path):
+    """DISTILL_PROCS=2 over a DATA file that one process wrote would not extend it (the shards cannot see it):
+    refused before anything runs, naming the file and the way out."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "messages": []}\n')
+    env = dict(os.environ, RUN=str(tmp_path / "run"), DATA=str(data), DISTILL_PROCS="2")
+    p = subprocess.run(["bash", str(REPO / "scripts" / "recipe_eagle3.sh")], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and f"{data} was distilled by one process" in p.stderr and "DISTILL_PROCS=1" in p.stderr
+    bad = subprocess.run(["bash", str(REPO / "scripts" / "recipe_eagle3.sh")], capture_output=True, text=True,
+                         env=dict(env, DISTILL_PROCS="two"), cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and "DISTILL_PROCS must be a whole number >= 1, got 'two'" in bad.stderr
 
 
 def test_recipe_refuses_an_unknown_family(tmp_path):
