@@ -67,11 +67,12 @@ def test_run_tree_kills_the_grandchildren_of_a_timed_out_command(tmp_path: Path)
         run_tree(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], timeout=2)
     pid = int(pid_file.read_text())
 
-    def gone() -> bool:  # dead, or a zombie nobody reaped yet
+    def gone() -> bool:  # dead, a zombie nobody reaped yet, or its pid already reused by another program
         try:
-            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-        except FileNotFoundError:
+            stat, cmd = Path(f"/proc/{pid}/stat").read_text(), Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
             return True
+        return stat.split()[2] == "Z" or not cmd.startswith(b"sleep")
 
     deadline = time.monotonic() + 10  # SIGKILL is delivered at once but a busy host may take a moment to end it
     while not gone() and time.monotonic() < deadline:
