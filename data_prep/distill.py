@@ -338,7 +338,8 @@ def run_slots(target, todo: list, cfg: Any, emit, deadline: float | None = None)
         t = time.perf_counter()
         logits, first = dec.step(next_tok[:width], jobs)  # [w, V], [n, V]
         t1 = time.perf_counter()
-        live = [i for i in range(width) if i not in pending]  # a row being prefilled decodes nothing
+        # a row being prefilled decodes nothing
+        live = [i for i in range(width) if i not in pending] if pending else range(width)
         toks = sample_next(logits if len(live) == width else logits[live], temp, top_k, top_p,
                            [rows[i].rng for i in live]).tolist() if live else []
         stats["decode_s"] += t1 - t

@@ -12,12 +12,11 @@ with the same N resumes them.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from draftheads.data_prep.distill import shard_path
-from draftheads.heads.checkpoint import atomic_write_text
+from draftheads.heads.checkpoint import atomic_open, atomic_write_text
 
 
 def merge_shards(out: Path, n: int) -> dict:
@@ -28,17 +27,13 @@ def merge_shards(out: Path, n: int) -> dict:
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise ValueError(f"{out}: shard files missing: {', '.join(missing)} (did every process of the launch finish?)")
-    tmp = out.with_name(f".{out.name}.merging")
     records = 0
-    with open(tmp, "wb") as dst:  # streamed: a sharded job is the big one
+    with atomic_open(out) as dst:  # streamed: a sharded job is the big one
         for p in parts:
             with open(p, "rb") as src:
                 for line in src:
                     dst.write(line)
                     records += 1
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, out)
     sums = []
     for p in parts:
         f = Path(str(p) + ".summary.json")

@@ -193,17 +193,18 @@ class SlotDecoder:
             if len(ids) - start <= 0 or len(ids) > self.max_len:
                 raise ValueError(f"prefill of {len(ids)} ids from {start} does not fit a row of {self.max_len}")
         lens = self.lens[:w]  # [w] position of each decoded row's new token
-        need = max([int(lens.max()) + 1] if w else [], default=0)
-        need = max([need] + [len(ids) for _, ids, _ in jobs])
+        need = max([len(ids) for _, ids, _ in jobs] + ([int(lens.max()) + 1] if w else []), default=0)
         if need > self.cap or (w and self.cap - need > 2 * self.CHUNK):  # only decode shrinks the layout
             self._fit(need)
-        spans, flat, pos = [], tokens.tolist(), lens.tolist()  # the decoded rows first, then every job's new ids
+        spans, flat, pos = [], [], []  # the decoded rows first, then every job's new ids
         for row, ids, start in jobs:
-            spans.append((row, len(flat), len(ids) - start, start))
+            spans.append((row, w + len(flat), len(ids) - start, start))
             flat += ids[start:]
             pos += range(start, len(ids))
-        x = self.base.embed_tokens(torch.tensor([flat], device=self.device))  # [1, N, hid]
-        self._cos_sin = self.base.rotary_emb(x, torch.tensor([pos], device=self.device))
+        new = torch.tensor([flat, pos], dtype=torch.long, device=self.device)  # [2, ΣT]
+        ids_all = torch.cat([tokens, new[0]])[None]  # [1, N]
+        x = self.base.embed_tokens(ids_all)  # [1, N, hid]
+        self._cos_sin = self.base.rotary_emb(x, torch.cat([lens, new[1]])[None])
         rows = torch.arange(w, device=self.device)
         plan = self._plan(lens, self.cap) if w else []
         if w:

@@ -12,12 +12,14 @@ means a killed job never leaves a half-written checkpoint behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -68,20 +70,28 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file via a temp file + rename: readers see the old file or the whole new one, never a part."""
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through: a temp file beside it, renamed over it when the block ends
+    without an error, removed when it raises, so readers see the old file or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file what open() would have
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write a file via a temp file + rename (:func:`atomic_open`)."""
+    with atomic_open(path) as f:
+        f.write(data)
 
 
 def write_head_files(directory: Path, family: str, head_config: dict[str, Any], target: dict[str, Any],

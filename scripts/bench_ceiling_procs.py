@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from draftheads.heads.checkpoint import atomic_write_text
+from draftheads.scripts.bench_distill import load_avg
 
 CHILD = """
 import json, os, sys, time, torch
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
            "decode_linear_tokens_per_s": round(dec, 1), "prefill_linear_tokens_per_s": round(pre, 1),
            "ceiling_new_tokens_per_s": {str(r): round(1.0 / (1.0 / dec + r / pre), 1) for r in args.r},
            "per_process_decode_tokens_per_s": [x["decode_linear_tokens_per_s"] for x in per],
-           "load_after": [round(x, 2) for x in os.getloadavg()]}
+           "load_after": load_avg()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(res, indent=1) + "\n")

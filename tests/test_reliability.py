@@ -263,6 +263,22 @@ def test_head_with_nan_or_inf_is_refused_on_load(tmp_path):
         assert what in str(ei.value)
 
 
+def test_atomic_open_replaces_whole_or_not_at_all(tmp_path):
+    """A streamed write (the shard merge) that fails midway leaves the old file and no temp file behind."""
+    from draftheads.heads.checkpoint import atomic_open
+
+    f = tmp_path / "x.jsonl"
+    f.write_text("old\n")
+    with pytest.raises(RuntimeError, match="killed"):
+        with atomic_open(f) as out:
+            out.write(b"half of the new")
+            raise RuntimeError("killed")
+    assert f.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["x.jsonl"]
+    with atomic_open(f) as out:
+        out.write(b"new\n")
+    assert f.read_text() == "new\n" and [p.name for p in tmp_path.iterdir()] == ["x.jsonl"]
+
+
 # --------------------------------------------------------------------------- misleading messages
 
 def test_data_path_directory_and_unknown_target_messages(tmp_path):
