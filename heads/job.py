@@ -82,6 +82,20 @@ def guarded(fn: F) -> F:
     return run  # type: ignore[return-value]
 
 
+def rank_suffix() -> str:
+    """``.rank<RANK>`` inside a multi-process launch (torchrun, accelerate), else ``""``: configs name per-process
+    files with it (``${rank_suffix:}``), so processes sharing a Hydra folder do not interleave one log."""
+    return f".rank{os.environ['RANK']}" if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+
+
+def register_resolvers() -> None:
+    """The OmegaConf resolvers shipped configs use (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("rank_suffix"):
+        OmegaConf.register_new_resolver("rank_suffix", rank_suffix)
+
+
 def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
     """Drop-in for ``@hydra.main(version_base=None, config_path=..., config_name=...)`` with :func:`guarded`.
 
@@ -89,6 +103,8 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
     relative ``config_path`` against it; the wrapper lives here, so both are fixed from the entry's own file.
     """
     import hydra
+
+    register_resolvers()
 
     def deco(task: F) -> F:
         entry_file = Path(inspect.getfile(task)).resolve()

@@ -40,6 +40,8 @@ def test_recipe_runs_every_stage_and_resumes(tiny_target_dir, chat_file, tmp_pat
     assert records and all(r["messages"][-1]["role"] == "assistant" for r in records)
     shards = [[json.loads(x) for x in (run / f"distilled.shard{i}of2.jsonl").read_text().splitlines()] for i in (0, 1)]
     assert all(shards) and shards[0] + shards[1] == records  # both processes wrote, merged in shard order
+    logs = {i: (run / "distilled.jsonl.hydra" / f"distill.rank{i}.log").read_text() for i in (0, 1)}
+    assert all(f'"shard": "{i}/2"' in logs[i] and f'"shard": "{1 - i}/2"' not in logs[i] for i in (0, 1))  # one log each
     best = json.loads((run / "eagle3" / "best" / "best.json").read_text())
     assert best["step"] in (2, 4)
     out = json.loads((run / "recipe.json").read_text())
