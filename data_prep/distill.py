@@ -80,6 +80,18 @@ def shard_path(out: Path, i: int, n: int) -> Path:
     return out if n == 1 else out.with_name(f"{out.stem}.shard{i}of{n}{out.suffix}")
 
 
+def check_shard_out(out: Path, n: int) -> None:
+    """Refuse sharding over an ``out`` that one process wrote: the shards would distil its conversations again
+    (they resume only their own files) and merging them would replace it, losing its records."""
+    if n == 1 or not out.is_file() or out.stat().st_size == 0:
+        return
+    if any(shard_path(out, i, n).exists() for i in range(n)):
+        return  # a merge of these shards: they resume
+    raise ValueError(f"out={out} holds records that one process distilled; shard=i/{n} writes "
+                     f"{shard_path(out, 0, n).name} etc. beside it, would distil those conversations again, and merging "
+                     f"them would replace {out.name}: distill it with one process (shard=0/1) or shard into another out")
+
+
 def read_done(path: Path) -> tuple[dict[str, dict], set[str]]:
     """The records already distilled, by id (a later record of an id supersedes an earlier one), and their prompt
     signatures; truncates a partially written last line (killed job)."""
@@ -514,6 +526,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"refill must be merged or separate, got {cfg.refill!r}")
     SlotDecoder.check_attention(cfg.get("decode_attention", "auto"))
     shard, n_shards = parse_shard(cfg.get("shard", "auto"))
+    check_shard_out(Path(cfg.out), n_shards)
     if str(cfg.device) == "auto" and "LOCAL_RANK" in os.environ and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per launched process
     target = load_target(cfg.target, device=resolve_device(cfg.device))

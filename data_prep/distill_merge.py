@@ -5,8 +5,9 @@
 Why: ``torchrun --nproc_per_node N data_prep/distill.py out=X`` writes ``X``'s N shard files (each process its own,
 resumable alone); training reads one file. The shards are concatenated in order into ``X`` (atomically: a killed
 merge leaves no half file), and ``X.summary.json`` adds up what the shard summaries say (conversations, new tokens;
-the slowest shard's seconds), keeping each shard's summary under ``shards``. The shard files stay: a later run
-with the same N resumes them.
+the slowest shard's seconds), keeping each shard's summary under ``shard_summaries``. The shard files stay: a
+later run with the same N resumes them, and a later merge replaces ``X`` again; an ``X`` that no merge wrote (one
+process distilled it) is never replaced.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from draftheads.data_prep.distill import shard_path
+from draftheads.heads import job
 from draftheads.heads.checkpoint import atomic_open, atomic_write_text
 
 
@@ -27,6 +29,12 @@ def merge_shards(out: Path, n: int) -> dict:
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise ValueError(f"{out}: shard files missing: {', '.join(missing)} (did every process of the launch finish?)")
+    prev_file = Path(str(out) + ".summary.json")
+    prev = json.loads(prev_file.read_text()) if prev_file.is_file() else {}
+    if out.is_file() and out.stat().st_size and prev.get("shards") != n:
+        raise ValueError(f"{out} was not written by a merge of its {n} shards (its summary "
+                         f"{'says shard ' + str(prev.get('shard')) if prev else 'is missing'}); merging would replace "
+                         f"its records: move it away first")
     records = 0
     with atomic_open(out) as dst:  # streamed: a sharded job is the big one
         for p in parts:
@@ -54,13 +62,11 @@ def merge_shards(out: Path, n: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not args[1].isdigit():
-        sys.exit("usage: python -m draftheads.data_prep.distill_merge OUT N   (OUT: the distill job's out=, N: shards)")
-    try:
-        s = merge_shards(Path(args[0]), int(args[1]))
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+        raise ValueError(f"usage: python -m draftheads.data_prep.distill_merge OUT N (OUT: the distill job's out=, "
+                         f"N: its number of shards), got {args!r}")
+    s = merge_shards(Path(args[0]), int(args[1]))
     print(json.dumps({k: v for k, v in s.items() if k != "shard_summaries"}))
 
 
 if __name__ == "__main__":
-    main()
+    job.cli(main)  # a user error: one line, exit 2

@@ -618,5 +618,28 @@ def test_shard_files_merge_into_one_file_and_summary(tmp_path, tiny_target_dir):
     (tmp_path / "d.shard1of2.jsonl").unlink()
     with pytest.raises(ValueError, match="shard files missing: .*d.shard1of2.jsonl"):
         merge_shards(tmp_path / "d.jsonl", 2)
-    with pytest.raises(SystemExit, match="usage"):
+    with pytest.raises(ValueError, match="usage: .*got \\['only-one-arg'\\]"):
         merge_main(["only-one-arg"])
+
+
+def test_shards_never_replace_what_one_process_distilled(tmp_path, tiny_target_dir):
+    """An out file one process wrote is neither sharded over (its conversations would be distilled again) nor
+    replaced by a merge (its records would be lost): both are user errors naming the file, and the file is kept."""
+    from draftheads.data_prep.distill_merge import merge_shards
+
+    data = _chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "one.jsonl"
+    distill_main(_cfg(tiny_target_dir, data, out, "num_conversations=6"))
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=f"out={out} holds records that one process distilled.*one.shard0of2.jsonl"):
+        distill_main(_cfg(tiny_target_dir, data, out, "shard=1/2"))
+    assert not (tmp_path / "one.shard1of2.jsonl").exists()
+    for i in range(2):  # shard files made elsewhere (say, copied in): the merge still keeps the one-process file
+        distill_main(_cfg(tiny_target_dir, data, tmp_path / "two.jsonl", f"shard={i}/2", "num_conversations=4"))
+        (tmp_path / f"one.shard{i}of2.jsonl").write_bytes((tmp_path / f"two.shard{i}of2.jsonl").read_bytes())
+    with pytest.raises(ValueError, match=f"{out} was not written by a merge of its 2 shards .*says shard 0/1"):
+        merge_shards(out, 2)
+    assert out.read_bytes() == before
+    merge_shards(tmp_path / "two.jsonl", 2)  # a merge's own file is replaced by the next merge
+    merge_shards(tmp_path / "two.jsonl", 2)
+    assert len(_records(tmp_path / "two.jsonl")) == 4
