@@ -20,8 +20,9 @@
 # length), SOURCE (a conversations file instead of ShareGPT), DATA (the distilled JSONL; extended if short), STEPS,
 # TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
 # answer), DISTILL_ARGS (space-separated data_prep/distill.py overrides, e.g. decode_attention=matmul), DISTILL_PROCS
-# (distillation processes, default 1: with N > 1, torchrun runs N one-thread shards, +28% on a 2-core EPYC with 2, or
-# one per GPU; their files are merged into DATA when they finish; a DATA made by one process is not extended), FAMILIES
+# (distillation processes, default 1: with N > 1, torchrun runs N one-thread shards, or one per GPU; on a 2-core EPYC
+# 2 were +28% in 3-minute jobs but made 518 tok/s over 30 minutes, no more than one process on an AMX host; their files
+# are merged into DATA when they finish; a DATA made by one process is not extended), FAMILIES
 # (families trained, measured and reported side by side on the same data, steps and τ selection; the first one is
 # published; default eagle3), EAGLE3_ARGS / MEDUSA_ARGS / EAGLE_ARGS (space-separated overrides for one family, as in
 # scripts/compare_families.sh; EAGLE3_ARGS defaults to the recipe's 8k vocabulary and 4 TTT steps, its old name E3_ARGS
