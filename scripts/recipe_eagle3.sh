@@ -70,11 +70,16 @@ else
   D=(data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" turns="$TURNS"
      max_new_tokens="$DISTILL_TOKENS" max_minutes="$DISTILL_MIN" out="$DATA" "${DX[@]}")
   if [ "$DISTILL_PROCS" -gt 1 ]; then
-    SHARD0="${DATA%.*}.shard0of$DISTILL_PROCS.${DATA##*.}"  # data_prep/distill.py's shard_path
-    if [ -s "$DATA" ] && [ ! -e "$SHARD0" ]; then
-      echo "DISTILL_PROCS=$DISTILL_PROCS: $DATA was distilled by one process and its shards would not extend it; use DISTILL_PROCS=1 or another DATA" >&2
-      exit 2
-    fi
+    # distill.py refuses this too, but from every rank inside torchrun's report: refuse once, before it starts
+    python - "$DATA" "$DISTILL_PROCS" <<'PY' || exit 2
+import sys
+from pathlib import Path
+from draftheads.data_prep.distill import check_shard_out
+try:
+    check_shard_out(Path(sys.argv[1]), int(sys.argv[2]))
+except ValueError as e:
+    sys.exit(f"error: DISTILL_PROCS={sys.argv[2]}: {e} (in the recipe: DISTILL_PROCS=1, or another DATA)")
+PY
     torchrun --standalone --nproc_per_node "$DISTILL_PROCS" "${D[@]}"
     python -m draftheads.data_prep.distill_merge "$DATA" "$DISTILL_PROCS"
   else

@@ -87,7 +87,9 @@ def test_recipe_refuses_shards_over_a_one_process_file(tmp_path):
     env = dict(os.environ, RUN=str(tmp_path / "run"), DATA=str(data), DISTILL_PROCS="2")
     p = subprocess.run(["bash", str(REPO / "scripts" / "recipe_eagle3.sh")], env=env, cwd=REPO, capture_output=True,
                        text=True, timeout=60)
-    assert p.returncode == 2 and f"{data} was distilled by one process" in p.stderr and "DISTILL_PROCS=1" in p.stderr
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"out={data} holds records that one process distilled" in p.stderr and "DISTILL_PROCS=1" in p.stderr
+    assert not (tmp_path / "run").exists()  # refused before any stage ran
     bad = subprocess.run(["bash", str(REPO / "scripts" / "recipe_eagle3.sh")], capture_output=True, text=True,
                          env=dict(env, DISTILL_PROCS="two"), cwd=REPO, timeout=60)
     assert bad.returncode == 2 and "DISTILL_PROCS must be a whole number >= 1, got 'two'" in bad.stderr
