@@ -21,7 +21,7 @@
 # TAU_EVERY (steps between τ measurements), QUESTIONS (benchmark file, never trained on), MAXQ, NEW (tokens per
 # answer), DISTILL_ARGS (space-separated data_prep/distill.py overrides, e.g. decode_attention=matmul), DISTILL_PROCS
 # (distillation processes, default 1: with N > 1, torchrun runs N one-thread shards, or one per GPU; on a 2-core EPYC
-# 2 were +28% in 3-minute jobs but made 518 tok/s over 30 minutes, no more than one process on an AMX host; their files
+# 2 with DISTILL_ARGS=batch_size=256 made 518 tok/s over 30 minutes, +23% over one process there (422); their files
 # are merged into DATA when they finish; a DATA made by one process is not extended), FAMILIES
 # (families trained, measured and reported side by side on the same data, steps and τ selection; the first one is
 # published; default eagle3), EAGLE3_ARGS / MEDUSA_ARGS / EAGLE_ARGS (space-separated overrides for one family, as in
