@@ -80,6 +80,11 @@ def shard_path(out: Path, i: int, n: int) -> Path:
     return out if n == 1 else out.with_name(f"{out.stem}.shard{i}of{n}{out.suffix}")
 
 
+def summary_path(out: Path) -> Path:
+    """The job's summary beside its output: ``<out>.summary.json`` (the merge reads and writes the same names)."""
+    return Path(str(out) + ".summary.json")
+
+
 def check_shard_out(out: Path, n: int) -> None:
     """Refuse sharding over an ``out`` that one process wrote: the shards would distil its conversations again
     (they resume only their own files) and merging them would replace it, losing its records."""
@@ -593,7 +598,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     log.info("prompt kinds of the %d conversations written (regex classifier of the first user message): %s",
              written, ", ".join(f"{k} {v}" for k, v in kinds.items()))
     log.info("distill done: %s", json.dumps(summary))
-    atomic_write_text(Path(str(out) + ".summary.json"), json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(summary_path(out), json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))
     return summary
 

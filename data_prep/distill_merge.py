@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from draftheads.data_prep.distill import shard_path
+from draftheads.data_prep.distill import shard_path, summary_path
 from draftheads.heads import job
 from draftheads.heads.checkpoint import atomic_open, atomic_write_text
 
@@ -29,8 +29,7 @@ def merge_shards(out: Path, n: int) -> dict:
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise ValueError(f"{out}: shard files missing: {', '.join(missing)} (did every process of the launch finish?)")
-    prev_file = Path(str(out) + ".summary.json")
-    prev = json.loads(prev_file.read_text()) if prev_file.is_file() else {}
+    prev = json.loads(summary_path(out).read_text()) if summary_path(out).is_file() else {}
     if out.is_file() and out.stat().st_size and prev.get("shards") != n:
         raise ValueError(f"{out} was not written by a merge of its {n} shards (its summary "
                          f"{'says shard ' + str(prev.get('shard')) if prev else 'is missing'}); merging would replace "
@@ -42,10 +41,7 @@ def merge_shards(out: Path, n: int) -> dict:
                 for line in src:
                     dst.write(line)
                     records += 1
-    sums = []
-    for p in parts:
-        f = Path(str(p) + ".summary.json")
-        sums.append(json.loads(f.read_text()) if f.is_file() else {})
+    sums = [json.loads(summary_path(p).read_text()) if summary_path(p).is_file() else {} for p in parts]
     new = sum(s.get("new_tokens", 0) for s in sums)
     seconds = max((s.get("seconds", 0.0) for s in sums), default=0.0)
     first = next((s for s in sums if s), {})
@@ -55,7 +51,7 @@ def merge_shards(out: Path, n: int) -> dict:
                "threads": [s.get("threads") for s in sums],
                "engine_stats": {"decode_attention": (first.get("engine_stats") or {}).get("decode_attention")},
                "shard_summaries": sums}
-    atomic_write_text(Path(str(out) + ".summary.json"), json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(summary_path(out), json.dumps(summary, indent=1) + "\n")
     return summary
 
 
