@@ -55,12 +55,9 @@ def prompt_signature(system: list[dict], users: list[str]) -> str:
 def parse_shard(spec: Any, env: dict[str, str] | None = None) -> tuple[int, int]:
     """``shard`` as (index, count): ``i/n``, or ``auto`` = the ``RANK``/``WORLD_SIZE`` a torchrun or accelerate
     launch sets (one process per GPU), else ``0/1``."""
-    env = os.environ if env is None else env
     text = str(spec).strip()
-    if text == "auto":
-        text = f"{env.get('RANK', 0)}/{env.get('WORLD_SIZE', 1)}"
     try:
-        i, n = (int(x) for x in text.split("/"))
+        i, n = job.launch_rank(env) if text == "auto" else (int(x) for x in text.split("/"))
     except ValueError:
         i, n = -1, 0
     if not 0 <= i < n:

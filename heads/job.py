@@ -20,7 +20,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from draftheads.heads.malloc import keep_freed_memory
 
@@ -82,10 +82,17 @@ def guarded(fn: F) -> F:
     return run  # type: ignore[return-value]
 
 
+def launch_rank(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world size) that a torchrun or accelerate launch sets in ``RANK``/``WORLD_SIZE``; (0, 1) outside one."""
+    env = os.environ if env is None else env
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+
+
 def rank_suffix() -> str:
     """``.rank<RANK>`` inside a multi-process launch (torchrun, accelerate), else ``""``: configs name per-process
     files with it (``${rank_suffix:}``), so processes sharing a Hydra folder do not interleave one log."""
-    return f".rank{os.environ['RANK']}" if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    rank, world = launch_rank()
+    return f".rank{rank}" if world != 1 else ""
 
 
 def register_resolvers() -> None:
