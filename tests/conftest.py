@@ -16,6 +16,8 @@ import torch
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _var in ("HYDRA_FULL_ERROR", "DRAFTHEADS_DEBUG"):  # a CI that exports one turns one-line user errors into
+    os.environ.pop(_var, None)  # tracebacks; tests that want one set it themselves (monkeypatch)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

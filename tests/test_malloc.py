@@ -16,7 +16,10 @@ from draftheads.heads import job, malloc
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = """
-import resource, torch
+import ctypes, resource, torch
+# 4 KiB pages whatever the host's THP setting: with transparent huge pages (enabled=always, or torch's
+# THP_MEM_ALLOC_ENABLE=1) a fresh 64 MiB tensor faults ~32 huge pages, not 16,384 small ones
+ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 from draftheads.heads.malloc import keep_freed_memory
 applied = keep_freed_memory()
 def once():
