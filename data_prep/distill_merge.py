@@ -21,6 +21,12 @@ from draftheads.heads import job
 from draftheads.heads.checkpoint import atomic_open, atomic_write_text
 
 
+def _read_summary(out: Path) -> dict:
+    """``out``'s summary, {} when it has none (a shard killed before its end, or nothing merged yet)."""
+    f = summary_path(out)
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
 def merge_shards(out: Path, n: int) -> dict:
     """Concatenate ``out``'s n shard files into ``out`` and write its summary; returns the summary."""
     if n < 2:
@@ -29,7 +35,7 @@ def merge_shards(out: Path, n: int) -> dict:
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
         raise ValueError(f"{out}: shard files missing: {', '.join(missing)} (did every process of the launch finish?)")
-    prev = json.loads(summary_path(out).read_text()) if summary_path(out).is_file() else {}
+    prev = _read_summary(out)
     if out.is_file() and out.stat().st_size and prev.get("shards") != n:
         raise ValueError(f"{out} was not written by a merge of its {n} shards (its summary "
                          f"{'says shard ' + str(prev.get('shard')) if prev else 'is missing'}); merging would replace "
@@ -41,7 +47,7 @@ def merge_shards(out: Path, n: int) -> dict:
                 for line in src:
                     dst.write(line)
                     records += 1
-    sums = [json.loads(summary_path(p).read_text()) if summary_path(p).is_file() else {} for p in parts]
+    sums = [_read_summary(p) for p in parts]
     new = sum(s.get("new_tokens", 0) for s in sums)
     seconds = max((s.get("seconds", 0.0) for s in sums), default=0.0)
     first = next((s for s in sums if s), {})

@@ -150,6 +150,26 @@ def error_line(p: subprocess.CompletedProcess) -> str:
 
 # --------------------------------------------------------------------------- silent wrong results -> errors
 
+@pytest.mark.parametrize("env, rank, suffix", [
+    ({}, (0, 1), ""),  # not launched
+    ({"RANK": "0", "WORLD_SIZE": "1"}, (0, 1), ""),  # a one-process launch names files as if not launched
+    ({"RANK": "2", "WORLD_SIZE": "4"}, (2, 4), ".rank2"),
+])
+def test_launch_rank_and_rank_suffix_read_the_launcher(monkeypatch, env, rank, suffix):
+    """One reader of RANK/WORLD_SIZE: per-process file names (``${rank_suffix:}``) and distill's shard=auto agree."""
+    from draftheads.data_prep.distill import parse_shard
+
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert job.launch_rank() == rank and job.launch_rank(env) == rank
+    assert job.rank_suffix() == suffix
+    assert parse_shard("auto") == rank
+    with pytest.raises(ValueError, match="shard must be auto or i/n"):
+        parse_shard("auto", {"RANK": "x", "WORLD_SIZE": "2"})  # a malformed launcher value: the one-line message
+
+
 def test_config_int_keeps_an_explicit_zero():
     assert job.config_int({"n": None}, "n", 60) == 60 and job.config_int({}, "n", 60) == 60
     assert job.config_int({"n": 7}, "n", 60) == 7
