@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from draftheads.data_prep.distill import shard_path, summary_path
+from draftheads.data_prep.shards import shard_path, summary_path
 from draftheads.heads import job
 from draftheads.heads.checkpoint import atomic_open, atomic_write_text
 

@@ -32,7 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-from draftheads.data_prep.distill import generate_batch  # noqa: E402
+from draftheads.data_prep.distill_engines import generate_batch  # noqa: E402
 from draftheads.data_prep.fastgen import SlotDecoder  # noqa: E402
 from draftheads.data_prep.sources import load_conversations  # noqa: E402
 from draftheads.data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402

@@ -4,7 +4,7 @@
                                     [--hf-batch 16] [--dtype auto] [--turns first] [--out runs/bench/distill.json]
 
 Why: the distill job's speed decides how much training data a CPU can make (issue 22 asks >= 1,000 new tokens/s
-for SmolLM2-135M on a 2-core CPU). This runs the job's own engines (``data_prep.distill.run_slots`` and
+for SmolLM2-135M on a 2-core CPU). This runs the job's own engines (``data_prep.distill_engines.run_slots`` and
 ``run_hf``; ``slots-separate`` is the slot engine with ``refill=separate``) one after the other in one process
 on the first ``--prompts`` conversations of ShareGPT's training
 split (the job's own prompt selection: eval prompts excluded, greedy duplicates skipped, sorted by length), so the
@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from draftheads.data_prep.distill import read_done, run_hf, run_slots, select_prompts  # noqa: E402
+from draftheads.data_prep.distill import select_prompts  # noqa: E402
+from draftheads.data_prep.distill_engines import run_hf, run_slots  # noqa: E402
+from draftheads.data_prep.shards import read_done  # noqa: E402
 from draftheads.data_prep.template import ensure_chat_template, prompt_ids  # noqa: E402
 from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
 from draftheads.heads.job import enter_process  # noqa: E402

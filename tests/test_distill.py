@@ -72,7 +72,7 @@ def test_shards_together_write_what_one_job_writes(tmp_path, tiny_target_dir, mo
     """shard=i/n (or a launcher's RANK/WORLD_SIZE): each process distills its own part into its own file, the parts
     are disjoint, repeated prompts stay in one shard (each answered once overall), the shard files together hold
     exactly the records of one unsharded job, and num_conversations is shared out. A bad spec is a user error."""
-    from draftheads.data_prep.distill import parse_shard
+    from draftheads.data_prep.shards import parse_shard
 
     data = _chats(tmp_path / "chats.jsonl")
     distill_main(_cfg(tiny_target_dir, data, tmp_path / "one.jsonl"))
@@ -419,7 +419,7 @@ def test_eval_questions_are_never_distilled(tmp_path, tiny_target_dir):
 
 
 def test_max_minutes_stops_between_conversations_and_a_rerun_goes_on(tmp_path, tiny_target_dir):
-    from draftheads.data_prep.distill import until
+    from draftheads.data_prep.distill_engines import until
 
     ticks = iter(range(100))
     assert list(until("abcdef", 2.5, clock=lambda: float(next(ticks)))) == ["a", "b", "c"]  # 0, 1, 2 <= 2.5

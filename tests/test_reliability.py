@@ -157,7 +157,7 @@ def error_line(p: subprocess.CompletedProcess) -> str:
 ])
 def test_launch_rank_and_rank_suffix_read_the_launcher(monkeypatch, env, rank, suffix):
     """One reader of RANK/WORLD_SIZE: per-process file names (``${rank_suffix:}``) and distill's shard=auto agree."""
-    from draftheads.data_prep.distill import parse_shard
+    from draftheads.data_prep.shards import parse_shard
 
     for k in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
