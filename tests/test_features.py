@@ -11,7 +11,8 @@ import torch
 
 from conftest import compose, tiny_train_overrides
 from draftheads.data_prep.dataset import prepare_data
-from draftheads.data_prep.features import FeatureCache, FeatureDataset, resolve_layers
+from draftheads.data_prep.feature_cache import FeatureCache, FeatureDataset
+from draftheads.data_prep.features import resolve_layers
 from draftheads.heads.target import load_target
 
 L = 4  # layers of the tiny targets in conftest
