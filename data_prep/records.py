@@ -14,7 +14,8 @@ extensions force JSON Lines):
   ``"records"``, ... or the only list of record-like objects), or a single record object.
 
 A byte that is not UTF-8 costs only the record (or JSONL line) holding it: skipped and counted as
-``bad_encoding`` with its exact line, or raised. :mod:`sources` turns the records into conversations.
+``bad_encoding`` with its exact line, or raised. :mod:`sources` turns the records into conversations. The JSON
+reader underneath is :mod:`data_prep.json_stream`; what a load reports, :mod:`data_prep.load_report`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from draftheads.data_prep.json_stream import BAD_BYTE, BadSyntax, JsonStream, Truncated, eof_caused, open_text
+from draftheads.data_prep.load_report import DataError, LoadStats, bump_count
 
 logger = logging.getLogger(__name__)
 
@@ -39,233 +41,6 @@ ROLE_KEYS = ("from", "role")
 CONTENT_KEYS = ("value", "content", "text")
 
 
-class DataError(ValueError):
-    """A record or file that cannot be used.
-
-    ``reason`` is a short code (``"no_turns"``, ``"unknown_role"``, ...) that is
-    also the key under which skipped records are counted in
-    :attr:`LoadStats.skipped`.
-    """
-
-    def __init__(self, reason: str, message: str, *, field: str | None = None,
-                 index: int | None = None, record_id: str | None = None):
-        super().__init__(message)
-        self.reason = reason
-        self.field = field
-        self.index = index
-        self.record_id = record_id
-
-    def with_prefix(self, prefix: str) -> "DataError":
-        return DataError(self.reason, f"{prefix}: {self}", field=self.field,
-                         index=self.index, record_id=self.record_id)
-
-
-@dataclass
-class LoadStats:
-    source: str
-    read: int = 0                 # records encountered (incl. unparseable JSONL lines)
-    kept: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)   # reason -> count
-    truncated_tail: bool = False  # file ended mid-record / mid-array
-    fixed: dict[str, int] = field(default_factory=dict)     # repair -> count of turns
-    path: str | None = None
-    format: str | None = None     # "json_array" | "jsonl" | "json_object[<key>]" | "json_record"
-    truncated_at: str | None = None   # location of the partial record at the cut
-    duplicate_ids: int = 0        # kept conversations whose id was already seen
-    superseded: int = 0           # conversations replaced by a longer one with the same id that extends them
-    stopped_early: bool = False   # stopped because max_conversations was reached
-    seconds: float = 0.0
-
-    @property
-    def n_skipped(self) -> int:
-        return sum(self.skipped.values())
-
-    def summary(self) -> str:
-        def fmt(d: dict[str, int]) -> str:
-            return ", ".join(f"{k}={v}" for k, v in sorted(d.items(), key=lambda kv: (-kv[1], kv[0])))
-
-        parts = [f"{self.source}: read {self.read}, kept {self.kept}, skipped {self.n_skipped}"]
-        if self.skipped:
-            parts[0] += f" ({fmt(self.skipped)})"
-        if self.fixed:
-            parts.append(f"fixed turns: {fmt(self.fixed)}")
-        if self.duplicate_ids:
-            parts.append(f"duplicate ids: {self.duplicate_ids}")
-        if self.superseded:
-            parts.append(f"superseded by their extension: {self.superseded}")
-        if self.truncated_tail:
-            parts.append(f"file truncated (partial record at {self.truncated_at or 'end'} dropped)")
-        if self.stopped_early:
-            parts.append("stopped at max_conversations")
-        parts.append(f"{self.format or '?'}, {self.seconds:.2f}s")
-        return "; ".join(parts)
-
-
-# --------------------------------------------------------------------------- #
-# streaming JSON reader
-# --------------------------------------------------------------------------- #
-
-_WS = re.compile(r"[ \t\n\r]*")
-_BAD_BYTE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" makes of a non-UTF-8 byte
-_NUMBER_PREFIX = re.compile(r"[-+0-9.eE]+")
-_CHUNK_CHARS = 1 << 20
-
-
-class _Truncated(Exception):
-    """Input ended inside a JSON value."""
-
-
-class _Syntax(Exception):
-    def __init__(self, err: json.JSONDecodeError):
-        super().__init__(err.msg)
-        self.err = err
-
-
-def _eof_caused(buf: str, e: json.JSONDecodeError) -> bool:
-    """Would more input possibly have fixed this decode error?"""
-    if e.msg.startswith("Unterminated string"):
-        return True
-    if len(buf) - e.pos > 64:
-        return False
-    rest = buf[e.pos:].strip()
-    if not rest:
-        return True
-    if any(lit.startswith(rest) for lit in ("true", "false", "null")):
-        return True
-    if _NUMBER_PREFIX.fullmatch(rest):
-        return True
-    return e.msg.startswith("Invalid \\uXXXX escape") and len(rest) <= 6
-
-
-class _Stream:
-    """Chunked text buffer with ``raw_decode`` and byte/line bookkeeping."""
-
-    _LOOKBACK = 256  # chars kept before pos on refill (for indentation look-back)
-
-    def __init__(self, f, chunk_chars: int | None = None):
-        self.f = f
-        self.chunk = chunk_chars or _CHUNK_CHARS
-        self.buf = ""
-        self.pos = 0
-        self.base = 0  # absolute char offset of buf[0] (chars dropped so far)
-        self.eof = False
-        # byte offset / 1-based line number of buf[_mark]
-        self._mark = 0
-        self._mark_bytes = 0
-        self._mark_lines = 1
-        self._dec = json.JSONDecoder()
-        self.fill()
-        if self.buf.startswith("\ufeff"):
-            self.pos = 1
-
-    def where(self, pos: int | None = None) -> tuple[int, int]:
-        """(byte offset, 1-based line) of buffer position ``pos``."""
-        pos = self.pos if pos is None else pos
-        if pos >= self._mark:
-            seg = self.buf[self._mark:pos]
-            self._mark_bytes += len(seg.encode("utf-8", "surrogateescape"))
-            self._mark_lines += seg.count("\n")
-            self._mark = pos
-            return self._mark_bytes, self._mark_lines
-        seg = self.buf[pos:self._mark]
-        return (self._mark_bytes - len(seg.encode("utf-8", "surrogateescape")),
-                self._mark_lines - seg.count("\n"))
-
-    def loc(self, pos: int | None = None) -> str:
-        b, line = self.where(pos)
-        return f"byte {b}, line {line}"
-
-    def abs_loc(self, abs_pos: int) -> str:
-        """Like :meth:`loc` for an absolute char offset (survives refills)."""
-        return self.loc(abs_pos - self.base)
-
-    def fill(self) -> bool:
-        """Append more input (at least as much as is buffered); False at EOF."""
-        if self.eof:
-            return False
-        drop = max(0, self.pos - self._LOOKBACK)
-        if drop:
-            self.where(drop)
-            self.buf = self.buf[drop:]
-            self.pos -= drop
-            self._mark -= drop
-            self.base += drop
-        data = self.f.read(max(self.chunk, len(self.buf)))
-        if not data:
-            self.eof = True
-            return False
-        self.buf += data
-        return True
-
-    def peek(self) -> str | None:
-        """Skip whitespace; next char or None at EOF."""
-        while True:
-            self.pos = _WS.match(self.buf, self.pos).end()
-            if self.pos < len(self.buf):
-                return self.buf[self.pos]
-            if not self.fill():
-                return None
-
-    def decode(self) -> Any:
-        """Decode the JSON value at pos (after whitespace)."""
-        if self.peek() is None:
-            raise _Truncated()
-        while True:
-            try:
-                val, end = self._dec.raw_decode(self.buf, self.pos)
-            except json.JSONDecodeError as e:
-                if not _eof_caused(self.buf, e):
-                    raise _Syntax(e) from None
-                if self.fill():
-                    continue
-                raise _Truncated() from None
-            if end >= len(self.buf) and not isinstance(val, (dict, list, str)) and self.fill():
-                continue  # a number may continue in the next chunk
-            self.pos = end
-            return val
-
-    def bad_byte(self, start: int, end: int) -> int | None:
-        """Buffer position of the first undecodable byte in ``buf[start:end]`` (None if there is none)."""
-        m = _BAD_BYTE.search(self.buf, start, end)
-        return m.start() if m else None
-
-    def next_record(self, after_abs: int) -> bool:
-        """Move pos to the next ``{`` after absolute offset ``after_abs`` that opens a complete record.
-
-        Whatever the indentation (or none: minified files): a candidate counts when it decodes to an
-        object that looks like a conversation record (see ``_looks_like_record``), so the turns nested
-        inside a broken record are never mistaken for records. False at EOF."""
-        nxt = after_abs + 1
-        while True:
-            j = self.buf.find("{", max(nxt - self.base, 0))
-            if j < 0:
-                nxt = self.base + len(self.buf)
-                self.pos = len(self.buf)
-                if not self.fill():
-                    return False
-                continue
-            cand = self.base + j
-            self.pos = j
-            try:
-                val = self.decode()
-            except (_Truncated, _Syntax):
-                val = None
-            if _looks_like_record(val):
-                self.pos = cand - self.base
-                return True
-            nxt = cand + 1
-
-
-def _open_text(path: Path):
-    # newline="" keeps "\r\n" untranslated so byte offsets stay exact; an undecodable byte becomes one
-    # lone surrogate (U+DC80..U+DCFF) that _BAD_BYTE finds, so only the record holding it is lost
-    return open(path, "r", encoding="utf-8", errors="surrogateescape", newline="")
-
-
-def bump_count(d: dict[str, int], key: str, n: int = 1) -> None:
-    d[key] = d.get(key, 0) + n
-
-
 def _check_path(path) -> Path:
     p = Path(os.fspath(path)).expanduser()
     if not p.exists():
@@ -275,7 +50,7 @@ def _check_path(path) -> Path:
     return p
 
 
-def _skip_region(s: _Stream, p: Path, stats: LoadStats, on_error: str, index: int, start: int,
+def _skip_region(s: JsonStream, p: Path, stats: LoadStats, on_error: str, index: int, start: int,
                  what: str, err: int | None = None, search_from: int | None = None) -> bool:
     """Text at absolute offset ``start`` is no record (broken JSON, a comment, a stray bracket, bad bytes).
 
@@ -300,7 +75,7 @@ def _skip_region(s: _Stream, p: Path, stats: LoadStats, on_error: str, index: in
     return found
 
 
-def _iter_array(s: _Stream, p: Path, stats: LoadStats, on_error: str):
+def _iter_array(s: JsonStream, p: Path, stats: LoadStats, on_error: str):
     s.pos += 1  # '['
     index = 0
     while True:
@@ -327,7 +102,7 @@ def _iter_array(s: _Stream, p: Path, stats: LoadStats, on_error: str):
             continue
         try:
             rec = s.decode()
-        except _Truncated:
+        except Truncated:
             if s.next_record(start):  # a complete record follows: the text at start was junk, not a cut
                 if not _skip_region(s, p, stats, on_error, index, start, "invalid JSON (an unclosed value)"):
                     return
@@ -336,7 +111,7 @@ def _iter_array(s: _Stream, p: Path, stats: LoadStats, on_error: str):
             stats.truncated_tail = True
             stats.truncated_at = f"record {index} ({s.abs_loc(start)})"
             return
-        except _Syntax as e:
+        except BadSyntax as e:
             err_at = s.loc(e.err.pos)
             if not _skip_region(s, p, stats, on_error, index, start,
                                 f"invalid JSON ({e.err.msg} at {err_at})", e.err.pos):
@@ -410,7 +185,7 @@ def _iter_jsonl(p: Path, stats: LoadStats, on_error: str):
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
-                if not line.endswith(("\n", "\r")) and _eof_caused(text, e):
+                if not line.endswith(("\n", "\r")) and eof_caused(text, e):
                     stats.truncated_tail = True
                     stats.truncated_at = f"record {index} (line {lineno})"
                     return
@@ -471,7 +246,7 @@ def _records_from_document(doc: Any, p: Path, stats: LoadStats, on_error: str = 
 def _has_bad_bytes(obj: Any) -> bool:
     """Whether a decoded value holds a byte that was not UTF-8 (a lone surrogate from surrogateescape)."""
     if isinstance(obj, str):
-        return _BAD_BYTE.search(obj) is not None
+        return BAD_BYTE.search(obj) is not None
     if isinstance(obj, dict):
         return any(_has_bad_bytes(k) or _has_bad_bytes(v) for k, v in obj.items())
     if isinstance(obj, list):
@@ -481,7 +256,7 @@ def _has_bad_bytes(obj: Any) -> bool:
 
 def _second_line_is_object(p: Path) -> bool:
     try:
-        with _open_text(p) as f:
+        with open_text(p) as f:
             seen = 0
             for line in f:
                 if line.strip():
@@ -509,8 +284,8 @@ def iter_located_records(path, stats: LoadStats, on_error: str = "skip"):
         if p.suffix.lower() in (".jsonl", ".ndjson"):
             yield from _iter_jsonl(p, stats, on_error)
             return
-        with _open_text(p) as f:
-            s = _Stream(f)
+        with open_text(p) as f:
+            s = JsonStream(f, _looks_like_record)
             c = s.peek()
             if c is None:
                 raise DataError("empty_file", f"{p}: file is empty")
@@ -524,11 +299,11 @@ def iter_located_records(path, stats: LoadStats, on_error: str = "skip"):
             start = s.base + s.pos
             try:
                 first = s.decode()
-            except _Truncated:
+            except Truncated:
                 raise DataError("no_records", f"{p}: the top-level JSON object starting at "
                                 f"{s.abs_loc(start)} is truncated (only JSON arrays and JSON Lines "
                                 "can be recovered from a cut-off file)") from None
-            except _Syntax as e:
+            except BadSyntax as e:
                 if _second_line_is_object(p):
                     is_jsonl = True
                 else:

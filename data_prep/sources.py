@@ -38,8 +38,9 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from draftheads.data_prep.records import (CONTENT_KEYS, ROLE_KEYS, TURN_KEYS, DataError, LoadStats, bump_count,
-                                          check_on_error, iter_located_records, iter_records)
+from draftheads.data_prep.load_report import DataError, LoadStats, bump_count
+from draftheads.data_prep.records import (CONTENT_KEYS, ROLE_KEYS, TURN_KEYS, check_on_error, iter_located_records,
+                                          iter_records)
 
 __all__ = [
     "Conversation",

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from draftheads.data_prep import records
+from draftheads.data_prep import json_stream
 from draftheads.data_prep.sources import (
     Conversation,
     DataError,
@@ -90,7 +90,7 @@ def test_json_array_roundtrip(tmp_path):
 
 @pytest.mark.parametrize("chunk", [3, 64, 1 << 20])
 def test_truncated_array_recovers_complete_records(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(records, "_CHUNK_CHARS", chunk)
+    monkeypatch.setattr(json_stream, "CHUNK_CHARS", chunk)
     text = json.dumps(GOOD, indent=2, ensure_ascii=False)
     cut = text.index('"id": "c"') + 12          # inside record 2
     p = tmp_path / "cut.json"
