@@ -48,8 +48,21 @@ def load_questions(path: str | Path, max_questions: int | None = None,
             if max_questions is not None and len(out) >= max_questions:
                 break
     if not out:
-        raise ValueError(f"question file {path} holds no questions")
+        raise ValueError(f"question file {path} holds no questions{_why_empty(Path(path))}")
     return out
+
+
+def _why_empty(path: Path) -> str:
+    """The cause when ``path`` is a prepared data cache's held-out questions (its stats.json lies beside it)."""
+    try:
+        stats = json.loads((path.parent / "stats.json").read_text())
+        cfg, split = stats["config"], stats["split"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return (f": it is the held-out split of data {cfg.get('name')!r}, which is empty (data.heldout_fraction="
+            f"{cfg.get('heldout_fraction')} of {split.get('train_conversations', 0) + split.get('heldout_conversations', 0)}"
+            f" conversations, data.max_conversations={cfg.get('max_conversations')}); raise data.heldout_fraction or "
+            f"data.max_conversations, or pass questions=<a question file>")
 
 
 def check_eval_limits(cfg: Any, target: Any) -> None:

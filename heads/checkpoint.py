@@ -24,18 +24,25 @@ from typing import Any, BinaryIO
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftheads.heads.outputs import check_replaceable, list_files, write_manifest
+
 FORMAT = "draftheads"
 FORMAT_VERSION = 1
 
 
-def atomic_dir(final: str | os.PathLike) -> "AtomicDir":
-    """Context manager: yields a temp dir next to ``final`` and renames it into place on success."""
-    return AtomicDir(Path(final))
+def atomic_dir(final: str | os.PathLike, owner: str | None = None) -> "AtomicDir":
+    """Context manager: yields a temp dir next to ``final`` and renames it into place on success.
+
+    ``owner`` names a user-facing job (``export``, ``publish``): an existing ``final`` is then replaced only when
+    its manifest says that job wrote it and it holds nothing else; with None (a run's ``final/``, ``best/``, a
+    cache) an unmarked folder is replaced only when it holds no file the new one lacks (heads/outputs.py)."""
+    return AtomicDir(Path(final), owner)
 
 
 class AtomicDir:
-    def __init__(self, final: Path):
+    def __init__(self, final: Path, owner: str | None = None):
         self.final = final
+        self.owner = owner
         self.tmp: Path | None = None
 
     def __enter__(self) -> Path:
@@ -48,15 +55,22 @@ class AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the dir what mkdir() would have
-        if self.final.exists():
-            # Move the old one aside first so that at every instant one complete copy exists.
-            old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
-            os.replace(self.final, old)
-            os.replace(self.tmp, self.final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.final)
+        try:
+            write_manifest(self.tmp, self.owner or "draftheads")
+            # Never remove what this kind of write did not make: refused here, the old folder stays as it was.
+            check_replaceable(self.final, self.owner, list_files(self.tmp))
+            os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the dir what mkdir() would have
+            if self.final.is_dir():
+                # Move the old one aside first so that at every instant one complete copy exists.
+                old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
+                os.replace(self.final, old)
+                os.replace(self.tmp, self.final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(self.tmp, self.final)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -82,9 +96,11 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
             yield f
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file what open() would have
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write() names no file: name the output
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
 
@@ -110,8 +126,52 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
 
     The safetensors writer creates its file 0600 (a private temp file renamed into place), so heads and
     exports were unreadable to the group/others that can read every other output."""
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:  # safetensors reports a failed write as its own error type, "... (os error 28)"
+        raise _as_os_error(e, path) from e
     os.chmod(path, 0o666 & ~_umask())
+
+
+def _as_os_error(e: BaseException, path: str | os.PathLike) -> BaseException:
+    """The OSError behind a library's write error (its errno named in the message), else the error itself."""
+    import re
+
+    m = re.search(r"os error (\d+)", str(e))
+    if isinstance(e, OSError) or m is None:
+        return e
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), str(path))
+
+
+class _WriteRecorder:
+    """A binary file whose failed write() is remembered: torch.save turns it into a RuntimeError with no errno."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.error = f, None
+
+    def write(self, b: bytes) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` whose write errors (disk full, read-only) surface as an ``OSError`` naming ``path``
+    (jobs report those as one-line user errors) instead of torch's "unexpected pos" RuntimeError."""
+    with open(path, "wb") as f:
+        rec = _WriteRecorder(f)
+        try:
+            torch.save(obj, rec)
+        except RuntimeError as e:
+            if rec.error is not None:
+                raise OSError(rec.error.errno, rec.error.strerror, str(path)) from e
+            raise
 
 
 def save_head(path: str | os.PathLike, family: str, head_config: dict[str, Any], target: dict[str, Any],

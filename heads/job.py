@@ -6,7 +6,8 @@ message, so a user hunting for what to fix reads past the stack first. Entries d
 scripts); both share :func:`guarded`. :func:`config_int` reads a numeric setting without ``x or default``.
 
 - User errors (:data:`USER_ERRORS`: ``ValueError`` and its subclasses such as ``DataError``, missing or
-  wrong files, a required ``???`` config value left unset) print ``error: <message>`` on one line and exit 2.
+  wrong files, a required ``???`` config value left unset; and disk errors at an output: full, read-only, not
+  writable, a file where a folder must be) print ``error: <message>`` on one line and exit 2.
 - Hydra's own config-composition errors (unknown key, unknown config group option) keep Hydra's short
   message (it prints no traceback for them) and exit 2 instead of 1.
 - Anything else is a bug: its traceback is shown as before (exit 1).
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 from draftheads.heads.malloc import keep_freed_memory
+from draftheads.heads.outputs import USER_ERRNOS, os_error_message, release_all
 
 USER_EXIT = 2
 DEBUG_ENV = ("HYDRA_FULL_ERROR", "DRAFTHEADS_DEBUG")
@@ -45,6 +47,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 USER_ERRORS = _user_errors()
 
 
+def is_user_error(exc: BaseException) -> bool:
+    """A user error: one of :data:`USER_ERRORS`, or an operating-system error of a path the user chose (a full or
+    read-only disk, no permission, a file where a folder must be)."""
+    return isinstance(exc, USER_ERRORS) or (isinstance(exc, OSError) and exc.errno in USER_ERRNOS)
+
+
 def debug_requested() -> bool:
     """Whether the user asked for full tracebacks (HYDRA_FULL_ERROR=1 or DRAFTHEADS_DEBUG=1)."""
     return any(os.environ.get(k, "").strip().lower() not in ("", "0", "false", "no") for k in DEBUG_ENV)
@@ -55,6 +63,8 @@ def one_line(exc: BaseException) -> str:
     if type(exc).__name__ == "MissingMandatoryValue":
         key = getattr(exc, "full_key", None) or str(exc).splitlines()[0].rsplit(":", 1)[-1].strip()
         return f"config key {key} has no value (it is ??? in the config): pass {key}=<value>"
+    if isinstance(exc, OSError) and exc.errno in USER_ERRNOS:
+        return os_error_message(exc)
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     text = "; ".join(lines) or type(exc).__name__
     if isinstance(exc, OSError) and not isinstance(exc, PermissionError) and exc.filename and str(exc.filename) not in text:
@@ -74,11 +84,13 @@ def guarded(fn: F) -> F:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except USER_ERRORS as e:
-            if debug_requested():
+        except (*USER_ERRORS, OSError) as e:
+            if debug_requested() or not is_user_error(e):
                 raise
             report(e)
             raise SystemExit(USER_EXIT) from None
+        finally:
+            release_all()  # the job's output locks (heads/outputs.py): a sweep's next job may write there
     return run  # type: ignore[return-value]
 
 
@@ -124,7 +136,8 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
             from draftheads.heads.schema import check
 
             def checked(cfg: Any) -> Any:
-                check(cfg)  # choices of the shared groups, before anything loads
+                check(cfg)  # choices and ranges of the shared groups, before anything loads
+                check_own_groups(cfg, Path(conf), config_name)
                 return task(cfg)
             return guarded(functools.wraps(task)(checked))(cfg)
 
@@ -147,6 +160,43 @@ def main(config_name: str, config_path: str = "../conf") -> Callable[[F], F]:
                 raise
         return entry  # type: ignore[return-value]
     return deco
+
+
+def check_own_groups(cfg: Any, conf_dir: Path, config_name: str) -> None:
+    """Refuse a family's group option (``head=...``, or an experiment overriding it) composed into another family's
+    job: its keys are not the keys of the job's own default option, and the job would fail later on a missing key.
+    Groups with a typed schema (heads/schema.py) are checked by Hydra itself."""
+    import yaml
+
+    from draftheads.heads.schema import SCHEMAS
+
+    primary = yaml.safe_load((conf_dir / f"{config_name}.yaml").read_text()) or {}
+    for entry in primary.get("defaults", []) or []:
+        if not isinstance(entry, dict) or len(entry) != 1:
+            continue
+        (group, option), = entry.items()
+        own = conf_dir / str(group) / f"{option}.yaml"
+        if group in SCHEMAS or not isinstance(option, str) or not own.is_file() or group not in cfg:
+            continue
+        allowed = set(yaml.safe_load(own.read_text()) or {}) - {"defaults"}
+        extra = sorted(set(cfg[group].keys()) - allowed)
+        if extra:
+            chosen, exp = _chosen(group), _chosen("experiment")
+            source = (f"{group}={chosen}" if chosen not in (None, option) else
+                      f"+experiment={exp}" if exp not in (None, "None") else f"a +{group}.* override")
+            raise ValueError(f"{source} does not belong to {config_name}: it sets {group} keys {extra} that this job "
+                             f"does not have (conf/{group}/{option}.yaml has {sorted(allowed)}); use an option made "
+                             f"for {config_name}, or run the job it belongs to")
+
+
+def _chosen(group: str) -> str | None:
+    """The option Hydra composed for ``group`` (None outside a Hydra run)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.choices.get(group)) if HydraConfig.initialized() else None
+    except Exception:  # pragma: no cover - Hydra internals
+        return None
 
 
 def enter_process() -> bool:

@@ -164,8 +164,26 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Numeric ranges a field must keep, checked by ``check`` with the choices: (lowest, highest, why). A learning rate
+# of 0 trains nothing without a word, so it is refused like a negative one. Tree knobs are bounded by what one
+# verification forward can carry: the target verifies nodes + 1 tokens at once (on a CPU a 64-token forward already
+# costs ~3 one-token forwards) and an expansion of top_k² candidates per depth beyond these allocates without end.
+RANGES: dict[str, tuple[float | None, float | None, str]] = {
+    "optim.lr": (0.0, None, "a learning rate must be > 0 (0 trains nothing; a negative one climbs the loss)"),
+    "tree.top_k": (1, 64, "children per expanded node"),
+    "tree.depth": (1, 32, "draft depth"),
+    "tree.nodes": (1, 1024, "drafted nodes the target verifies in one forward"),
+    "tree.size": (2, 1024, "tokens in one verification forward, root included"),
+    "tree.max_depth": (1, 32, "depth cap"),
+    "tree.lookup_branch": (0, 64, "prompt-lookup tokens merged into the tree"),
+    "baselines.draft_tokens": (1, 64, "tokens a draft model proposes per step"),
+    "baselines.lookup_tokens": (1, 64, "tokens prompt lookup proposes per step"),
+}
+
+
 def check(cfg: Any) -> None:
-    """Raise ValueError naming the key, the value and what is allowed, for every ``CHOICES`` key the config has."""
+    """Raise ValueError naming the key, the value and what is allowed, for every ``CHOICES`` and ``RANGES`` key the
+    config has (before any model loads)."""
     from omegaconf import OmegaConf
 
     for key, allowed in CHOICES.items():
@@ -174,6 +192,15 @@ def check(cfg: Any) -> None:
         if value is not None and text not in allowed:
             group = key.split(".")[0]
             raise ValueError(f"{key}={value} is not allowed; allowed: {', '.join(allowed)} (conf/{group}/)")
+    for key, (low, high, why) in RANGES.items():
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # null: chosen later; a wrong type is the typed schema's message
+        group = key.split(".")[0]
+        if key == "optim.lr" and not value > 0:
+            raise ValueError(f"{key}={value} is not allowed: {why} (conf/{group}/)")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ValueError(f"{key}={value} is out of range: {why} must be in [{low}, {high}] (conf/{group}/)")
 
 
 SCHEMAS: dict[str, type] = {"data": DataConfig, "train": TrainConfig, "optim": OptimConfig,

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
 
-from draftheads.heads import job  # noqa: E402
+from draftheads.heads import job, outputs  # noqa: E402
 from draftheads.heads.checkpoint import atomic_dir, save_safetensors  # noqa: E402
 from draftheads.heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
 from draftheads.heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
@@ -204,7 +204,7 @@ def export(draft: Eagle3Draft, target: FrozenTarget, out: str | Path, fmt: str, 
         config = sglang_config(draft, dtype)
     tensors = export_tensors(draft, target, fmt, dtype)
     check_export(tensors, config, fmt, required_keys(draft, fmt), f"export of {fmt}")
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, owner="export") as tmp:  # replaces only an earlier export, never other files
         save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})  # umask's mode, not 0600
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return Path(out)
@@ -318,6 +318,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"speculators_python checks a speculators export; format is {cfg.format!r}")
     if check:  # before anything is written
         _check_speculators_python(Path(check))
+    out = Path(cfg.out or f"{str(cfg.checkpoint).rstrip('/')}-{cfg.format}")
+    outputs.refuse_inside(out, {"head checkpoint": Path(cfg.checkpoint)})  # before any model loads
+    outputs.check_replaceable(out, "export", overwrite=bool(cfg.overwrite))
+    outputs.claim(out, "export")
     # the round trip compares fp32 logits; the export itself is cast to `dtype` either way
     tcfg = TargetConfig(**{**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__},
                            "dtype": "fp32" if check else cfg.dtype})
@@ -326,7 +330,6 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
     steps = job.config_int(cfg, "speculative_tokens", int(ck.get("ttt_steps") or 3), 1)  # null: the trained k
     verifier = cfg.verifier or resolve_target(tcfg)[0]
-    out = Path(cfg.out or f"{str(cfg.checkpoint).rstrip('/')}-{cfg.format}")
     # ---- export + check
     export(draft, target, out, cfg.format, verifier, steps, dtype)
     verify_export(out, draft, cfg.format)

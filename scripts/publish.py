@@ -17,8 +17,6 @@ folder on its target. ``dry_run=true`` (the default) stops there: no network at 
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
 import re
@@ -30,12 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 
-from draftheads.heads import job  # noqa: E402
+from draftheads.heads import job, outputs  # noqa: E402
 from draftheads.heads import registry  # noqa: E402
 import torch  # noqa: E402
 
 from draftheads.heads.checkpoint import atomic_dir, read_head, save_safetensors  # noqa: E402
 from draftheads.heads.target import EMBEDDED_TARGETS  # noqa: E402
+from draftheads.scripts.tau_table import file_sha256, read_json, tau_rows  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -81,112 +80,6 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def _sha256(path: Path) -> str:
-    """The file's digest, hashed once per (file, size, mtime): a card checks one checkpoint against many results."""
-    st = path.stat()
-    return _sha256_of(str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=64)
-def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _with_branch(tree: Any, desc: dict[str, Any]) -> Any:
-    """``tree`` + ' + lookup branch N' when the head decoded with a prompt-lookup branch (tree.lookup_branch)."""
-    n = desc.get("lookup_branch")
-    return f"{tree} + lookup branch {n}" if n else tree
-
-
-def same_head(path: str | None, ckpt: Path | None) -> bool:
-    """Whether a result's head folder holds the weights being published: the same folder, or a copy of its
-    ``model.safetensors`` (a run's ``final/`` and ``best/`` are different heads unless their bytes agree)."""
-    if ckpt is None:
-        return True
-    if not path:
-        return False
-    p = Path(path)
-    if p.resolve() == ckpt.resolve():
-        return True
-    a, b = p / "model.safetensors", ckpt / "model.safetensors"
-    return a.is_file() and b.is_file() and _sha256(a) == _sha256(b)
-
-
-def measure_rows(r: dict[str, Any], ckpt: Path | None = None) -> list[dict[str, Any]]:
-    """Rows of an eval/measure.py ``results.json``: the greedy setting of every trained head, or only of the head
-    ``ckpt`` holds (a run measuring several heads must not lend the card another head's figures)."""
-    rows = []
-    for name, m in r["methods"].items():
-        if not m.get("checkpoint") or not same_head(m["checkpoint"], ckpt):
-            continue
-        for block in r["settings"].values():
-            if block.get("mode") != "greedy" or name not in block.get("methods", {}):
-                continue
-            s = block["methods"][name]
-            rows.append({"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
-                         "turns": s.get("turns"), "drafter": m.get("drafter") or m.get("kind"),
-                         "tree": _with_branch(f"{m.get('tree_kind')} ({m.get('tree_select')}, "
-                                              f"{m.get('tree_size')} verified)", m),
-                         "tree_size": m.get("tree_size"), "mode": "greedy", "dtype": r.get("dtype"),
-                         "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
-                         "tokens_per_s": s.get("tokens_per_s"),
-                         "speedup_vs_plain": (block.get("speedup_vs_plain") or {}).get(name, {}).get("overall"),
-                         "accept_at_depth": None, "source": "eval/measure.py",
-                         "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}})
-    return rows
-
-
-def tau_rows(eval_files: list[Path], ckpt: Path | None = None, optional: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
-    """One row per eval/acceptance.py result (question set, drafter, τ, tokens/s, acceptance by depth), and one per
-    trained head of an eval/measure.py results.json. With ``ckpt``, only results measured on that head's weights:
-    a given file that measured none is a user error; one in ``optional`` (the run's own eval.json, which
-    measured ``final/``) is skipped with a note."""
-    rows = []
-    for f in eval_files:
-        r = _read_json(f)
-        if r is not None and "settings" in r and "methods" in r:
-            got = measure_rows(r, ckpt)
-            heads = [m.get("checkpoint") for m in r["methods"].values() if m.get("checkpoint")]
-        elif r is None or "summary" not in r:
-            raise ValueError(f"{f} is neither an eval/acceptance.py result (no 'summary') nor an eval/measure.py "
-                             f"results.json")
-        else:
-            heads = [(r.get("drafter") or {}).get("head")]
-            got = [_acceptance_row(r)] if same_head(heads[0], ckpt) else []
-        if not got and ckpt is not None:
-            msg = f"{f} measured {heads}, not the checkpoint being published ({ckpt})"
-            if f not in optional:
-                raise ValueError(f"{msg}: give eval= results measured on checkpoint={ckpt}")
-            print(f"note: {msg}; its τ is left off the card")
-        rows += got
-    return rows
-
-
-def _acceptance_row(r: dict[str, Any]) -> dict[str, Any]:
-    """The card's row for one eval/acceptance.py result."""
-    s, d = r["summary"], r.get("drafter", {})
-    kind = d.get("tree_source") or d.get("tree_kind") or d.get("tree")
-    tree = _with_branch(f"{kind} ({d['tree_size']} verified)" if d.get("tree_size") else kind, d)
-    return {"questions": Path(str(r.get("questions", "?"))).name, "num_questions": r.get("num_questions"),
-            "turns": s.get("turns"), "drafter": d.get("drafter"), "tree": tree,
-            "tree_size": d.get("tree_size"), "mode": r.get("mode"), "dtype": r.get("dtype"),
-            "max_new_tokens": r.get("max_new_tokens"), "tau": s.get("tau"),
-            "tokens_per_s": s.get("tokens_per_s"), "speedup_vs_plain": r.get("speedup_vs_plain"),
-            "accept_at_depth": s.get("accept_at_depth"),
-            "per_category": {c: v.get("tau") for c, v in (s.get("per_category") or {}).items()}}
 
 
 def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary: dict[str, Any] | None,
@@ -289,7 +182,7 @@ def validate(folder: Path, checkpoint: Path, target_cfg: dict[str, Any] | None,
         want = cast_floats(ref, dtype)
         if set(want) != set(tensors) or any(not torch.equal(want[k], tensors[k]) for k in want):
             raise ValueError(f"model.safetensors in the publish folder is not the checkpoint's cast to {dtype}")
-    elif _sha256(folder / "model.safetensors") != _sha256(checkpoint / "model.safetensors"):
+    elif file_sha256(folder / "model.safetensors") != file_sha256(checkpoint / "model.safetensors"):
         raise ValueError("model.safetensors in the publish folder differs from the checkpoint's")
     card = (folder / "README.md").read_text()
     if not card.startswith("---\n") or card.count("---\n") < 2:
@@ -320,7 +213,7 @@ def upload(folder: Path, repo_id: str, private: bool, branch: str | None, messag
     if branch:
         api.create_branch(repo_id=repo_id, branch=branch, exist_ok=True)
     info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                             commit_message=message, revision=branch)
+                             commit_message=message, revision=branch, ignore_patterns=[outputs.MANIFEST])
     return str(getattr(info, "commit_url", info))
 
 
@@ -331,6 +224,10 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     if run_dir.name == "checkpoints":  # checkpoint=runs/x/checkpoints/step-N
         run_dir = run_dir.parent
     out = Path(cfg.out) if cfg.out else run_dir / "hub"
+    outputs.refuse_inside(out, {"training run": run_dir if cfg.run_dir or (run_dir / "config.yaml").is_file()
+                                else None, "head checkpoint": ckpt})
+    outputs.check_replaceable(out, "publish", overwrite=bool(cfg.overwrite))
+    outputs.claim(out, "publish")
     if cfg.push and not cfg.repo_id:
         raise ValueError("push=true needs repo_id=<owner>/<name>")
     if cfg.repo_id:
@@ -343,12 +240,12 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     run_cfg = None
     if (run_dir / "config.yaml").is_file():
         run_cfg = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=False)
-    summary = _read_json(run_dir / "summary.json")
+    summary = read_json(run_dir / "summary.json")
     own = (run_dir / "eval.json",) if (run_dir / "eval.json").is_file() else ()
     taus = tau_rows(list(own) + [Path(p) for p in cfg.eval], ckpt, optional=own)
     n_params = sum(t.numel() for t in tensors.values())
     # ---- write the folder (atomically: a failed publish never leaves a half-written folder)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, owner="publish") as tmp:  # replaces only an earlier publish folder, never other files
         if cfg.dtype:
             save_safetensors(cast_floats(tensors, str(cfg.dtype)), tmp / "model.safetensors",
                              metadata=_metadata(ckpt / "model.safetensors"))
@@ -376,7 +273,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
             raise ValueError("verify_load=true needs the run's config.yaml or target.name=<target>; "
                              "or set verify_load=false")
     checks = validate(out, ckpt, target_cfg, cfg.dtype)
-    files = sorted(p.name for p in out.iterdir())
+    files = sorted(p.name for p in out.iterdir() if p.name != outputs.MANIFEST)
     result = {"folder": str(out), "files": files, "checks": checks, "tau_rows": len(taus),
               "repo_id": cfg.repo_id, "pushed": False}
     print(f"publish folder {out}: {', '.join(files)}; family {checks['family']}, "

@@ -127,7 +127,7 @@ fi
 t3=$SECONDS
 
 stage "4/4 publish to $RUN/hub"
-python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/${FAM[0]}" out="$RUN/hub" "eval=[$RUN/benchmark.json]" \
+python scripts/publish.py checkpoint="$HEAD" run_dir="$RUN/${FAM[0]}" out="$RUN/hub" overwrite=true "eval=[$RUN/benchmark.json]" \
   dtype=bf16 "made_by='RUN=$RUN N=$N TURNS=$TURNS DISTILL_MIN=$DISTILL_MIN STEPS=$STEPS DISTILL_ARGS=\"${DISTILL_ARGS:-}\" EAGLE3_ARGS=\"$EAGLE3_ARGS\" FAMILIES=\"${FAM[*]}\" bash scripts/recipe_eagle3.sh $*'"
 FS=(); for F in "${FAM[@]}"; do FS+=("$F" "${HEADS[$F]}" "${TRAIN_S[$F]}" "$(bench_of "$F")"); done  # four per family
 python - "$RUN" "$DATA" "$HEAD" "$t1" "$t2" "$t3" "$SECONDS" "${FS[@]}" <<'PY'

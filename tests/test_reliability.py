@@ -329,7 +329,8 @@ def test_head_files_follow_the_umask(tmp_path, mask):
     finally:
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "h").iterdir()}
-    assert modes == {"model.safetensors": 0o666 & ~mask, "config.json": 0o666 & ~mask}
+    assert modes == {"model.safetensors": 0o666 & ~mask, "config.json": 0o666 & ~mask,
+                     ".draftheads-output.json": 0o666 & ~mask}  # the manifest of what the write owns
     assert (tmp_path / "h").stat().st_mode & 0o777 == 0o777 & ~mask
 
 

@@ -502,7 +502,7 @@ def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_ta
     eval_main(ev)
     secret = "hf_THIS_IS_A_SECRET_TOKEN_123"
     monkeypatch.setenv("HF_TOKEN", secret)
-    pcfg = lambda *o: compose("publish", [f"checkpoint={run / 'final'}", *o])  # noqa: E731
+    pcfg = lambda *o: compose("publish", [f"checkpoint={run / 'final'}", "overwrite=true", *o])  # noqa: E731  (republished below)
     res = publish.main(pcfg())
     hub = Path(res["folder"])
     assert hub == run / "hub" and not res["pushed"]
@@ -570,7 +570,8 @@ def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_ta
 
 def test_publish_tau_table_reads_a_measure_run(tmp_path):
     """eval/measure.py results give the card one row per trained head: τ, × plain and τ per category."""
-    from draftheads.scripts.publish import model_card, tau_rows
+    from draftheads.scripts.publish import model_card
+    from draftheads.scripts.tau_table import tau_rows
 
     block = {"mode": "greedy", "methods": {
         "plain": {"tau": 1.0, "tokens_per_s": 20.0, "turns": 2},
@@ -596,7 +597,7 @@ def test_publish_tau_table_reads_a_measure_run(tmp_path):
 def test_publish_keeps_only_the_published_heads_figures(tmp_path):
     """A measure run over several heads, or a result on the run's final/ when best/ is published, must not lend the
     card another head's τ: rows are kept by the weights they measured (same folder or the same bytes)."""
-    from draftheads.scripts.publish import tau_rows
+    from draftheads.scripts.tau_table import tau_rows
 
     heads = {}
     for name, fill in (("best", 1.0), ("final", 2.0), ("copy", 1.0)):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from draftheads.heads.checkpoint import save_torch
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class CheckpointMixin:
         acc.wait_for_everyone()
         ts = tmp / "trainer_state"
         # Every rank saves its own RNG state: noise/dropout streams differ per rank.
-        torch.save(rng_state(), ts / f"rng-rank{acc.process_index}.pt")
+        save_torch(rng_state(), ts / f"rng-rank{acc.process_index}.pt")
         if self.mode == "deepspeed":
             self.model.save_checkpoint(str(ts / "deepspeed"), tag="engine", client_state={}, save_latest=False)
         elif self.mode == "fsdp":
@@ -132,11 +133,11 @@ class CheckpointMixin:
             osd = get_optimizer_state_dict(self.model, self._opt(),
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if acc.is_main_process:
-                torch.save(osd, ts / "optimizer.pt")
+                save_torch(osd, ts / "optimizer.pt")
         elif acc.is_main_process:
-            torch.save(self._opt().state_dict(), ts / "optimizer.pt")
+            save_torch(self._opt().state_dict(), ts / "optimizer.pt")
         if acc.is_main_process:
-            torch.save(self.scheduler.state_dict(), ts / "scheduler.pt")
+            save_torch(self.scheduler.state_dict(), ts / "scheduler.pt")
             self._save_tau_best(ts)
         acc.wait_for_everyone()
         if acc.is_main_process:

@@ -88,6 +88,8 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
             self._shadow = _plain_copy(objective) if self.acc.is_main_process else None
             fully_shard(objective, mesh=_device_mesh(self.acc),
                         reshard_after_forward=os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false")
+        if not float(o.lr) > 0:  # also checked at composition (heads/schema.py RANGES); here for compose() callers
+            raise ValueError(f"optim.lr={o.lr} is not allowed: a learning rate must be > 0 (0 trains nothing)")
         params = [p for p in objective.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the draft has no trainable parameters")
@@ -140,10 +142,13 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
         from draftheads.train.resume import trim_metrics
 
         if overwrite:
-            for name in ("checkpoints", "best"):
-                if (self.out_dir / name).exists():
-                    log.info("train.overwrite: removing the earlier run's %s", self.out_dir / name)
-                    shutil.rmtree(self.out_dir / name)
+            gone = [self.out_dir / n for n in ("checkpoints", "best") if (self.out_dir / n).exists()]
+            if gone or self.metrics_path.is_file():
+                log.warning("train.overwrite=true: removing the earlier run's %s and the rows of %s (nothing else "
+                            "in %s is touched)", ", ".join(map(str, gone)) or "(no checkpoints)", self.metrics_path,
+                            self.out_dir)
+            for p in gone:
+                shutil.rmtree(p)
         trim_metrics(self.metrics_path, 0)
 
     # ------------------------------------------------------------------ topology

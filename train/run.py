@@ -137,7 +137,8 @@ def resolve_out_dir(cfg: Any) -> Path:
     Hydra's run dir is ``runs/<run_name>`` (no timestamp), so every process of a multi-process launch
     resolves the same path; in a sweep each job gets its own numbered subdirectory
     (``runs/sweeps/<run_name>/<job>``), the same on every rank because each rank runs the jobs in order.
-    Every entry calls this first, so it is also where a folder holding an earlier run is refused (below).
+    Every entry calls this first, so it is also where a folder holding an earlier run is refused (below) and
+    where rank 0 takes the folder's lock (heads/outputs.py) for the rest of the job.
     """
     if cfg.get("out_dir"):
         out = Path(cfg.out_dir)
@@ -150,7 +151,15 @@ def resolve_out_dir(cfg: Any) -> Path:
                 out = Path(HydraConfig.get().runtime.output_dir)
         except ImportError:  # pragma: no cover
             pass
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir={out} is a file, not a folder: choose a folder path (a new one, or an earlier run "
+                         f"to continue with train.resume=true)")
     refuse_silent_restart(cfg, out)
+    from draftheads.heads.job import launch_rank
+    from draftheads.heads.outputs import claim
+
+    if launch_rank()[0] == 0:  # one writer per run folder: a second training into it gets one line and exit 2
+        claim(out, "training")
     return out
 
 
