@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 from draftheads.heads import job  # noqa: E402
-from draftheads.eval.measure import depth_stats  # noqa: E402
+from draftheads.eval.measure_summary import depth_stats  # noqa: E402
 from draftheads.eval.report import save_png  # noqa: E402
 from draftheads.eval.tau import tau  # noqa: E402
 from draftheads.scripts.paired_tau import load_rows  # noqa: E402

@@ -568,7 +568,8 @@ def test_rollout_eval_script_scores_a_checkpoint_like_the_trainer(tmp_path, peak
 def test_measure_counts_emitted_tokens_outside_the_draft_vocab():
     """eval.measure: each EAGLE-3 row counts the emitted tokens its draft vocabulary cannot propose (a hard cap on
     acceptance); the aggregate is their share of new tokens; full-vocabulary drafters report None."""
-    from draftheads.eval.measure import aggregate, out_of_draft_vocab
+    from draftheads.eval.measure_run import out_of_draft_vocab
+    from draftheads.eval.measure_summary import aggregate
 
     tgt = from_model(tiny_model("llama", vocab_size=128, seed=3))
     d = _draft(tgt, dv=60)

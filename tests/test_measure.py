@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import compose
-from draftheads.eval.measure import depth_stats, formula_tau, main
+from draftheads.eval.measure import main
+from draftheads.eval.measure_summary import depth_stats, formula_tau
 
 QUESTIONS = [
     {"question_id": 1, "category": "copy", "turns": ["please list one two three one two three one two", "count from one"]},

@@ -39,7 +39,8 @@ def _toy_drafter(target, head, tree_cfg, dtype, allow_target_mismatch=False):
     return "drafter", {"drafter": "toy", "head": head}
 
 
-SHARED = ["eval/drafters.py", "eval/measure.py", "eval/autotree.py", "eval/acceptance.py", "scripts/publish.py",
+SHARED = ["eval/drafters.py", "eval/measure.py", "eval/measure_methods.py", "eval/measure_run.py",
+          "eval/measure_summary.py", "eval/autotree.py", "eval/acceptance.py", "scripts/publish.py",
           "draftheads/cli.py", "pipeline/tau_eval.py", "pipeline/eval_after.py"]
 
 
