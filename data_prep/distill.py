@@ -43,7 +43,7 @@ from draftheads.data_prep.shards import (check_shard_out, parse_shard, prompt_si
                                          shard_path, summary_path)
 from draftheads.data_prep.sources import Conversation, load_conversations, split_conversations
 from draftheads.data_prep.template import ensure_chat_template, prompt_ids
-from draftheads.heads import job
+from draftheads.heads import job, outputs
 from draftheads.heads.checkpoint import atomic_write_text
 from draftheads.heads.target import load_target, resolve_device
 
@@ -213,6 +213,11 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     SlotDecoder.check_attention(cfg.get("decode_attention", "auto"))
     shard, n_shards = parse_shard(cfg.get("shard", "auto"))
     check_shard_out(Path(cfg.out), n_shards)
+    own = shard_path(Path(cfg.out), shard, n_shards)
+    if own.is_dir():
+        raise ValueError(f"out={own} is a folder; distill writes a JSONL file: give a file path, "
+                         f"e.g. out={own}/distilled.jsonl")
+    outputs.claim(own, "distill")  # one writer per file: a second distill into it gets one line, before any load
     if str(cfg.device) == "auto" and "LOCAL_RANK" in os.environ and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per launched process
     target = load_target(cfg.target, device=resolve_device(cfg.device))

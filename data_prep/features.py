@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from draftheads.data_prep.dataset import PreparedData, collate, model_inputs, prepare_data
 from draftheads.data_prep.feature_cache import (FORMAT, FORMAT_VERSION, MANIFEST, FeatureCache, FeatureDataset,
                                                 hidden_key, read_manifest)
-from draftheads.heads import job
+from draftheads.heads import job, outputs
 from draftheads.heads.checkpoint import atomic_write_text, save_safetensors
 from draftheads.heads.target import DTYPE_NAMES, FrozenTarget, load_target, parse_dtype, resolve_device
 
@@ -167,6 +167,8 @@ def _plan_fields(m: dict[str, Any]) -> dict[str, Any]:
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
     job.config_int(cfg, "batch_size", None, 1)  # 0: a clear error before any model load
+    outputs.refuse_foreign(Path(cfg.out), MANIFEST, "feature cache")  # fills out in place: never a user's folder
+    outputs.claim(Path(cfg.out), "features")  # one writer per cache
     device = resolve_device(cfg.device)
     target = load_target(cfg.target, device=device)
     data = prepare_data(cfg.data, target.tokenizer)

@@ -212,6 +212,28 @@ def test_training_into_a_folder_another_job_holds_is_refused(tmp_path):
         resolve_out_dir(compose("medusa", [f"out_dir={f}"]))
 
 
+def test_distill_and_features_refuse_a_held_output_and_features_a_user_folder(tmp_path):
+    from draftheads.data_prep.distill import main as distill
+    from draftheads.data_prep.features import main as features
+
+    jsonl = tmp_path / "d" / "distilled.jsonl"
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(jsonl)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match="distilled.jsonl is being written by another job"):
+            distill(compose("distill", [f"out={jsonl}", "target.name=/nonexistent"]))  # refused before any load
+    finally:
+        p.kill()
+        p.wait()
+    with pytest.raises(ValueError, match="is a folder; distill writes a JSONL file"):
+        distill(compose("distill", [f"out={tmp_path}", "target.name=/nonexistent"]))
+    user = _user_folder(tmp_path / "mine")
+    before = _snapshot(user)
+    with pytest.raises(ValueError, match=r"holds 2 file\(s\) that are not a feature cache \(notes.txt, sub\)"):
+        features(compose("features", [f"out={user}", "target.name=/nonexistent"]))
+    assert _snapshot(user) == before
+
+
 # ------------------------------------------------------------------ disk errors are user errors
 
 @pytest.mark.parametrize("code,words", [(errno.ENOSPC, "disk is full"), (errno.EROFS, "read-only"),
