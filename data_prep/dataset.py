@@ -207,7 +207,7 @@ def prepare_data(cfg: Any, tokenizer: Any, force: bool = False) -> PreparedData:
         "config": asdict(cfg), "key": key,
         "load": {"source": load_stats.source, "read": load_stats.read, "kept": load_stats.kept,
                  "superseded": load_stats.superseded,
-                 "skipped": dict(load_stats.skipped), "fixed": dict(getattr(load_stats, "fixed", {}) or {}),
+                 "skipped": dict(load_stats.skipped), "first_skip": dict(load_stats.first_skip), "fixed": dict(getattr(load_stats, "fixed", {}) or {}),
                  "truncated_tail": load_stats.truncated_tail},
         "split": {"by": cfg.split_by, "train_conversations": len(train_c), "heldout_conversations": len(held_c),
                   "duplicates_dropped": n_dup, "heldout_openers_in_train": leaked},

@@ -45,6 +45,7 @@ class LoadStats:
     superseded: int = 0           # conversations replaced by a longer one with the same id that extends them
     stopped_early: bool = False   # stopped because max_conversations was reached
     seconds: float = 0.0
+    first_skip: dict[str, str] = field(default_factory=dict)  # reason -> the first skipped record's message
 
     @property
     def n_skipped(self) -> int:
@@ -57,6 +58,8 @@ class LoadStats:
         parts = [f"{self.source}: read {self.read}, kept {self.kept}, skipped {self.n_skipped}"]
         if self.skipped:
             parts[0] += f" ({fmt(self.skipped)})"
+        for reason, msg in sorted(self.first_skip.items()):  # what was wrong and what is allowed, once per reason
+            parts.append(f"first {reason}: {msg}")
         if self.fixed:
             parts.append(f"fixed turns: {fmt(self.fixed)}")
         if self.duplicate_ids:

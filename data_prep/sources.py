@@ -325,6 +325,7 @@ def load_conversations(source: str = "sharegpt", path: str | None = None,
                 if on_error == "raise":
                     raise e.with_prefix(f"{stats.path} ({loc})") from None
                 bump_count(stats.skipped, e.reason)
+                stats.first_skip.setdefault(e.reason, f"record {index} ({loc}): {e}")
                 logger.debug("%s: skipped record %d (%s): %s", stats.path, index, loc, e.reason)
                 continue
             j = seen.get(conv.id)

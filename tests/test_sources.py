@@ -326,6 +326,9 @@ def test_unknown_role_skip_and_raise(tmp_path):
     p = write_array(tmp_path / "u.json", recs)
     convs, st = load_conversations("u", path=str(p))
     assert len(convs) == 2 and st.skipped == {"unknown_role": 1}
+    first = st.first_skip["unknown_role"]  # the summary says which roles exist, never the message text
+    assert "expected one of" in first and "'human'" in first and "Narrator" in first and first in st.summary()
+    assert "secret content" not in st.summary()
     with pytest.raises(DataError) as ei:
         load_conversations("u", path=str(p), on_error="raise")
     msg = str(ei.value)
