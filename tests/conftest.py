@@ -139,6 +139,16 @@ def chat_file(tmp_path_factory) -> Path:
     return p
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module of many tiny forwards: on a loaded 2-core machine two threads made them
+    ~10x slower (each op waits for a busy second core); restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture()
 def cache_env(tmp_path, monkeypatch) -> Path:
     """Isolate the draftheads cache (prepared data, converted targets) per test."""
