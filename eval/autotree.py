@@ -20,6 +20,9 @@ on the head *and* the hardware; fixed 60–64-node defaults made trained heads s
 
 Knobs the user set (``tree.size=16``, ``tree.depth=4``, ``baselines.lookup_tokens=5``) are kept; only
 null knobs are chosen, and ``tree.select=default`` fills them with the fixed family defaults instead.
+
+The parts: which knobs are free and their defaults (eval/autotree_knobs.py), the candidates and the cost model
+(eval/autotree_model.py); this file probes, times, ranks and reports.
 """
 
 from __future__ import annotations
@@ -27,162 +30,30 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from draftheads.eval.calibration import Calibration, Timing, _book_line, _interp, _Recorder, acceptance_table, time_drafters
+from draftheads.eval.autotree_knobs import explicit_knob, family_of, fill_defaults, free_knobs
+from draftheads.eval.autotree_model import (Candidate, anchored_verify, chain_candidates, draft_ms_model,
+                                            dynamic_candidates, medusa_candidates)
+from draftheads.eval.calibration import Calibration, _book_line, _Recorder, acceptance_table, time_drafters
 from draftheads.eval.generate import NoDrafter, generate
-from draftheads.eval.latency import monotone, t_verify_ms
-from draftheads.eval.trees import chain, expected_tokens, generic_accuracies, greedy_tree_order
+from draftheads.eval.trees import generic_accuracies, greedy_tree_order
 from draftheads.eval.tau import tau_value
-from draftheads.heads import registry
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = {"size": 64, "top_k": 10, "depth": 6, "nodes": 60, "lookup_tokens": 10, "draft_tokens": 4, "lookup_branch": 0}
-MINIMUM = {"size": 2, "top_k": 1, "depth": 1, "nodes": 1, "max_depth": 1, "lookup_tokens": 1, "draft_tokens": 1,
-           "lookup_branch": 0}
 LOOKUP_BRANCH = (0, 3, 6, 10)  # tree.lookup_branch lengths tree=auto measures on the calibration prompts
 NARROW = 8  # widest head tree also tried under a lookup branch when the head's best alone is wider
 PROBE = {"top_k": 10, "depth": 8, "nodes": 63, "size": 64, "lookup_tokens": 16, "draft_tokens": 8}
-MAX_WIDTH = 64  # largest tree considered (root included)
-SELECT = ("auto", "default")
 
 
 # --------------------------------------------------------------------------------------------
-# Knobs: which are free, validation, defaults
+# The choice: probe, time, rank the candidates (eval/autotree_model.py)
 # --------------------------------------------------------------------------------------------
-
-def _explicit(d: dict[str, Any], key: str, where: str) -> int | None:
-    """An explicitly set knob as an int (None when unset); 0, negatives and non-integers are errors."""
-    v = d.get(key)
-    if v is None:
-        return None
-    ok = isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer() \
-        or isinstance(v, str) and v.strip().lstrip("-").isdigit()
-    if not ok:
-        raise ValueError(f"{where}.{key}={v!r}: expected an integer >= {MINIMUM[key]} (or null: chosen by tree.select)")
-    n = int(float(v))
-    if n < MINIMUM[key]:
-        raise ValueError(f"{where}.{key}={v!r}: must be >= {MINIMUM[key]} (or null: chosen by tree.select)")
-    return n
-
-
-def family_of(kind: str) -> str:
-    """static (Medusa), dynamic (EAGLE/EAGLE-3), chain (prompt lookup, draft model), or none."""
-    if kind == "medusa-init":  # the untrained Medusa reference
-        return "static"
-    if kind in registry.FAMILIES:
-        return registry.get(kind).tree
-    if kind in ("prompt_lookup", "draft_model"):
-        return "chain"
-    return "none"
-
-
-def _select(tree: dict[str, Any]) -> str:
-    s = tree.get("select") or "auto"
-    if s not in SELECT:
-        raise ValueError(f"tree.select={s!r}: expected one of {SELECT}")
-    return s
-
-
-def free_knobs(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> list[str]:
-    """The knobs tree=auto would choose for ``kind`` (null in the config; [] under tree.select=default)."""
-    validate(kind, tree, baselines)
-    if _select(tree) != "auto":
-        return []
-    fam = family_of(kind)
-    branch = ["lookup_branch"] if tree.get("lookup_branch") is None else []  # trained heads only
-    if fam == "static":
-        return ([] if tree.get("paths") or tree.get("size") is not None else ["size"]) + branch
-    if fam == "dynamic":
-        k = tree.get("kind") or "auto"
-        if k in ("auto", "dynamic"):
-            return [n for n in ("top_k", "depth", "nodes") if tree.get(n) is None] + branch
-        return (["depth"] if k == "chain" and tree.get("depth") is None else []) + branch
-    if kind == "prompt_lookup":
-        return ["lookup_tokens"] if baselines.get("lookup_tokens") is None else []
-    if kind == "draft_model":
-        return ["draft_tokens"] if baselines.get("draft_tokens") is None else []
-    return []
-
-
-def validate(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> None:
-    _select(tree)
-    for k in ("size", "top_k", "depth", "nodes", "max_depth", "lookup_branch"):
-        _explicit(tree, k, "tree")
-    for k in ("lookup_tokens", "draft_tokens"):
-        _explicit(baselines, k, "baselines")
-
-
-def fill_defaults(kind: str, tree: dict[str, Any], baselines: dict[str, Any],
-                  chosen: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Concrete copies of ``tree`` / ``baselines``: explicit values kept, ``chosen`` next, family defaults last."""
-    validate(kind, tree, baselines)
-    tree, baselines, chosen = dict(tree), dict(baselines), dict(chosen or {})
-    for k in ("size", "top_k", "depth", "nodes", "lookup_branch"):
-        if tree.get(k) is None:
-            tree[k] = chosen.get(k, DEFAULTS[k])
-    if chosen.get("paths") is not None:
-        tree["paths"] = chosen["paths"]
-    for k in ("lookup_tokens", "draft_tokens"):
-        if baselines.get(k) is None:
-            baselines[k] = chosen.get(k, DEFAULTS[k])
-    return tree, baselines
-
-
-# --------------------------------------------------------------------------------------------
-# Candidates and the choice
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Candidate:
-    knobs: dict[str, Any]
-    width: float
-    expected: float
-    draft_key: float  # the family's draft-cost knob: Medusa depth, EAGLE (depth, top_k) flattened by the caller, k
-
-
-def _medusa_candidates(table: torch.Tensor, fixed_depth: int | None) -> list[Candidate]:
-    order, probs = greedy_tree_order(table, MAX_WIDTH - 1, max_depth=fixed_depth, rank_closed=False)
-    if not order:  # nothing was ever accepted: the smallest tree still has to be a candidate
-        order, probs = [(0,)], [float(table[0, 0]) if table.numel() else 0.0]
-    out, e = [], 1.0
-    for n in range(1, len(order) + 1):
-        e += probs[n - 1]
-        paths = sorted(order[:n], key=lambda p: (len(p), p))
-        out.append(Candidate({"size": n + 1, "paths": [list(p) for p in paths]}, n + 1, e,
-                             max(len(p) for p in paths)))
-    return out
-
-
-def _dynamic_candidates(table: torch.Tensor, fixed: dict[str, int | None]) -> list[Candidate]:
-    D, R = table.shape
-    out = []
-    for depth in ([fixed["depth"]] if fixed["depth"] else range(1, D + 1)):
-        for k in ([fixed["top_k"]] if fixed["top_k"] else range(1, R + 1)):
-            order, probs = greedy_tree_order(table, MAX_WIDTH - 1, max_depth=depth, top_k=k, expand_per_depth=k)
-            cap = min(MAX_WIDTH - 1, k + (depth - 1) * k * k)  # candidates a dynamic tree of this shape can keep
-            e = 1.0
-            for n in range(1, cap + 1):
-                e += probs[n - 1] if n <= len(probs) else 0.0
-                if fixed["nodes"] and n != fixed["nodes"]:
-                    continue
-                out.append(Candidate({"top_k": k, "depth": depth, "nodes": n}, n + 1, e, 0.0))
-    return out
-
-
-def _chain_candidates(table: torch.Tensor, knob: str, lengths: Iterable[int]) -> list[Candidate]:
-    out = []
-    for k in lengths:
-        c = chain(k)
-        out.append(Candidate({knob: k}, k + 1, expected_tokens(c.parents, c.depths, c.ranks, table), float(k)))
-    return out
-
 
 def _probe_configs(kind: str, tree: dict[str, Any], baselines: dict[str, Any], num_heads: int,
                    prior: Any) -> tuple[dict[str, Any], dict[str, Any], list[tuple[dict[str, Any], dict[str, Any]]]]:
@@ -273,21 +144,21 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
     runs.append(({"plain": True}, NoDrafter()))
     *timings, plain = time_drafters(target, runs, calib.prompts, timing_tokens)
     book = _book_line(timings + [plain])
-    draft_ms = _draft_model(kind, fam, timings, probe_tree, probe_base)
+    draft_ms = draft_ms_model(kind, fam, timings, probe_tree, probe_base)
     t_verify = anchored_verify(profile, timings + [plain])
     # ---- candidates
-    fixed = {k: _explicit(tree, k, "tree") for k in ("top_k", "depth", "nodes")}
+    fixed = {k: explicit_knob(tree, k, "tree") for k in ("top_k", "depth", "nodes")}
     if fam == "static":
         fd = min(num_heads, int(tree.get("max_depth") or num_heads))
-        cands = _medusa_candidates(table, fd)
+        cands = medusa_candidates(table, fd)
     elif fam == "dynamic" and (tree.get("kind") or "auto") == "chain":
         cands = [Candidate({"depth": c.knobs["depth"]}, c.width, c.expected, 0.0)
-                 for c in _chain_candidates(table[:, :1], "depth", range(1, D + 1))]
+                 for c in chain_candidates(table[:, :1], "depth", range(1, D + 1))]
     elif fam == "dynamic":
-        cands = _dynamic_candidates(table, fixed)
+        cands = dynamic_candidates(table, fixed)
     else:
         knob = "lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"
-        cands = _chain_candidates(table, knob, range(1, D + 1))
+        cands = chain_candidates(table, knob, range(1, D + 1))
     t1 = profile["t1_ms"]
     plain_ms = t_verify(1) + plain.draft_ms + book(1)
     widths = _lookup_widths(records, kind)
@@ -395,58 +266,8 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     return best, report
 
 
-def anchored_verify(profile: dict[str, Any], timings: Sequence[Timing]) -> Callable[[float], float]:
-    """t_verify(width): the profile's shape, scaled to what the decoding loop's own forwards cost.
-
-    Why: the profile times one context (300 tokens) once, and on a shared machine its points are noisy;
-    the timed calibration runs measure target ms per step at a few widths, at real contexts and under the
-    load of the moment. Each of those anchors gives a scale = loop ms / profile ms; between anchors the
-    scale is interpolated over log2(width) (flat past the ends). The profile's best-of-repeats (ms_min)
-    shape is used, made non-decreasing."""
-    pts = sorted(profile["points"], key=lambda p: p["width"])
-    ws = [p["width"] for p in pts]
-    ms = monotone([p.get("ms_min", p["ms"]) for p in pts])
-    shape = lambda w: float(np.interp(w, ws, ms))  # noqa: E731
-    by_w: dict[float, list[float]] = {}
-    for t in timings:
-        if t.steps and t.target_ms > 0:
-            by_w.setdefault(round(t.width, 3), []).append(t.target_ms / shape(t.width))
-    if not by_w:
-        return lambda w: t_verify_ms(profile, w)
-    xs = sorted(by_w)
-    lx, sc = [math.log2(x) for x in xs], [float(np.mean(by_w[x])) for x in xs]
-    return lambda w: shape(w) * float(np.interp(math.log2(max(w, 1.0)), lx, sc))
-
-
 def _lookup_widths(records: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], kind: str) -> list[int]:
     return [len(p) - 1 for p, _, _ in records] if kind == "prompt_lookup" else []
-
-
-def _draft_model(kind: str, fam: str, timings: Sequence[Timing], probe_tree: dict[str, Any],
-                 probe_base: dict[str, Any]) -> Callable[[Candidate], float]:
-    """Per-step draft ms for a candidate, interpolated over the timed configurations."""
-    probe = timings[0]
-    if fam == "static":  # Medusa: the heads up to the tree's depth run every step
-        pd = max(len(p) for p in probe_tree["paths"])
-        xs = [pd] + [max(len(p) for p in t.config["paths"]) for t in timings[1:]]
-        ys = [t.draft_ms for t in timings]
-        return lambda c: max(0.0, _interp(c.draft_key, xs, ys))
-    if fam == "dynamic":  # one draft forward per depth over the top_k frontier: base + (depth-1)·slope(top_k)
-        pts = {(int(probe_tree["depth"]), int(probe_tree["top_k"])): probe.draft_ms}
-        for t in timings[1:]:
-            pts[(int(t.config["depth"]), int(t.config["top_k"]))] = t.draft_ms
-        base = pts.get((1, 1), min(pts.values()))
-        deep = {k: v for (d, k), v in pts.items() if d > 1}
-        dmax = max(d for d, _ in pts)
-        if not deep:
-            return lambda c: base
-        ks = sorted(deep)
-        slopes = [(deep[k] - base) / (dmax - 1) for k in ks]
-        return lambda c: max(0.0, base + (c.knobs.get("depth", 1) - 1) * _interp(c.knobs.get("top_k", 1), ks, slopes))
-    knob = "lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"
-    xs = [int(probe_base[knob])] + [int(t.config[knob]) for t in timings[1:]]
-    ys = [t.draft_ms for t in timings]
-    return lambda c: max(0.0, _interp(c.draft_key, xs, ys))
 
 
 def _default_of(kind: str, tree: dict[str, Any], baselines: dict[str, Any], scored: list, fam: str) -> tuple | None:

@@ -12,7 +12,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from draftheads.eval.autotree import MAX_WIDTH, configure, family_of
+from draftheads.eval.autotree import configure
+from draftheads.eval.autotree_knobs import family_of
+from draftheads.eval.autotree_model import MAX_WIDTH
 from draftheads.eval.baselines import DraftModelDrafter
 from draftheads.eval.calibration import Calibration, heldout_calibration
 from draftheads.eval.drafters import build_drafter, checkpoint_family

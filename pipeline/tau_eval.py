@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from draftheads.data_prep.template import ensure_chat_template
 from draftheads.eval.acceptance import run_questions, summarize
-from draftheads.eval.autotree import fill_defaults
+from draftheads.eval.autotree_knobs import fill_defaults
 from draftheads.eval.drafters import build_drafter, checkpoint_family
 from draftheads.eval.questions import load_questions
 from draftheads.heads.schema import TreeConfig

@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import compose
-from draftheads.eval.autotree import _explicit, fill_defaults, free_knobs, tree_label
+from draftheads.eval.autotree import tree_label
+from draftheads.eval.autotree_knobs import explicit_knob, fill_defaults, free_knobs
 from draftheads.eval.calibration import acceptance_table, calibration_split
 from draftheads.eval.trees import chain, expected_tokens, greedy_tree_order, static_tree
 
@@ -174,7 +175,7 @@ def test_zero_negative_and_non_integer_knobs_are_errors(key, value):
         free_knobs("prompt_lookup", {"select": "auto"}, {"lookup_tokens": 0})
     with pytest.raises(ValueError, match="tree.select"):
         free_knobs("medusa", {"select": "fastest"}, {})
-    assert _explicit({"nodes": "12"}, "nodes", "tree") == 12
+    assert explicit_knob({"nodes": "12"}, "nodes", "tree") == 12
 
 
 def test_calibration_never_uses_measured_questions(tmp_path):
@@ -206,7 +207,7 @@ def test_tree_label_names_the_chosen_knobs():
 
 
 def test_verification_time_is_the_profile_scaled_to_the_loops_own_forwards():
-    from draftheads.eval.autotree import anchored_verify
+    from draftheads.eval.autotree_model import anchored_verify
     from draftheads.eval.calibration import Timing
 
     prof = {"points": [{"width": w, "ms": 99.0, "ms_min": m} for w, m in ((1, 40.0), (4, 44.0), (16, 60.0), (64, 120.0))]}

@@ -27,12 +27,12 @@ def test_unknown_family_names_the_registered_ones() -> None:
 
 def test_a_new_family_is_one_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A registered family is reachable from the eval factory, sweeps and tree=auto without touching them."""
-    from draftheads.eval import autotree, drafters
+    from draftheads.eval import autotree_knobs, drafters
 
     monkeypatch.setitem(registry.FAMILIES, "toy", registry.Family(
         "toy", "draftheads.heads.eagle:EagleDraft", "tests.test_registry:_toy_drafter", "draftheads.train.eagle", "dynamic", "a toy"))
     assert drafters.build_drafter("toy", None, "dir", {}, None) == ("drafter", {"drafter": "toy", "head": "dir"})
-    assert autotree.family_of("toy") == "dynamic"
+    assert autotree_knobs.family_of("toy") == "dynamic"
 
 
 def _toy_drafter(target, head, tree_cfg, dtype, allow_target_mismatch=False):
@@ -40,8 +40,9 @@ def _toy_drafter(target, head, tree_cfg, dtype, allow_target_mismatch=False):
 
 
 SHARED = ["eval/drafters.py", "eval/measure.py", "eval/measure_methods.py", "eval/measure_run.py",
-          "eval/measure_summary.py", "eval/autotree.py", "eval/acceptance.py", "scripts/publish.py",
-          "draftheads/cli.py", "pipeline/tau_eval.py", "pipeline/eval_after.py"]
+          "eval/measure_summary.py", "eval/autotree.py", "eval/autotree_knobs.py", "eval/autotree_model.py",
+          "eval/acceptance.py", "scripts/publish.py", "draftheads/cli.py", "pipeline/tau_eval.py",
+          "pipeline/eval_after.py"]
 
 
 @pytest.mark.parametrize("path", SHARED)
