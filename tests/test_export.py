@@ -19,6 +19,21 @@ from draftheads.scripts.export import check_export, export, required_keys, verif
 
 AUX = [1, 2, 3]
 SPEC_PY = Path(os.environ.get("DRAFTHEADS_SPECULATORS_PYTHON", REPO / ".venv-spec" / "bin" / "python"))
+REQUIRE = "DRAFTHEADS_REQUIRE_SPECULATORS"  # set to 1 by .ci/run: the round trip must run there, not skip
+
+
+def speculators_python(path: Path | None = None) -> Path:
+    """The speculators environment's Python; without one, skip, or fail where the round trip is required (CI: it is
+    the only check of the export format by an independent reader, so a CI without it must not pass)."""
+    path = SPEC_PY if path is None else path
+    if path.is_file():
+        return path
+    why = (f"no speculators environment at {path} (create it with scripts/make_speculators_venv.sh, or set "
+           f"DRAFTHEADS_SPECULATORS_PYTHON)")
+    if os.environ.get(REQUIRE, "").strip() not in ("", "0"):
+        pytest.fail(f"{why}; {REQUIRE}={os.environ[REQUIRE]} requires the speculators round trip")
+    pytest.skip(why)
+
 
 SPECULATORS_KEYS = {
     "fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d",
@@ -106,12 +121,10 @@ def _qwen3_target_dir(root: Path) -> Path:
     return d
 
 
-@pytest.mark.skipif(not SPEC_PY.is_file(), reason=f"no speculators environment at {SPEC_PY} (create it with "
-                                                  f"scripts/make_speculators_venv.sh, or set "
-                                                  f"DRAFTHEADS_SPECULATORS_PYTHON)")
 def test_speculators_loads_our_export_and_reproduces_our_logits(tmp_path, tiny_target_dir):
     """Llama (through the export job), Llama with norm_before_residual, and Qwen3 drafts; L=13 (not a multiple
     of the flex block size) and 3 TTT steps: speculators' per-step draft-vocab logits equal ours."""
+    spec_py = speculators_python()
     from draftheads.scripts.export import main as export_main
 
     cases = []
@@ -154,7 +167,7 @@ def test_speculators_loads_our_export_and_reproduces_our_logits(tmp_path, tiny_t
         args += [str(out), str(tmp_path / f"{name}-in.safetensors"), str(tmp_path / f"{name}-out")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
-    r = subprocess.run([str(SPEC_PY), str(REPO / "scripts" / "speculators_check.py"), *args], capture_output=True,
+    r = subprocess.run([str(spec_py), str(REPO / "scripts" / "speculators_check.py"), *args], capture_output=True,
                        text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     for name, *_ in cases:
@@ -184,20 +197,38 @@ def test_roundtrip_option_refuses_a_missing_python_and_another_format(tmp_path, 
         export_main(compose("export", base + ["format=sglang", f"speculators_python={SPEC_PY}"]))
 
 
-@pytest.mark.skipif(not SPEC_PY.is_file(), reason=f"no speculators environment at {SPEC_PY}")
 def test_export_job_round_trip_through_speculators_on_a_chat_prompt(tmp_path, tiny_target_dir):
     """``speculators_python=`` makes the export job itself reload a bf16 export in speculators: exact keys and
     values, fp32 logits equal ours on a chat-templated prompt + greedy answer."""
+    spec_py = speculators_python()
     from draftheads.scripts.export import main as export_main
 
     llama = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     _draft(llama, seed=4).save_pretrained(tmp_path / "ckpt", llama.identity)
     s = export_main(compose("export", ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true",
                                        f"checkpoint={tmp_path / 'ckpt'}", "dtype=bf16", f"out={tmp_path / 'e'}",
-                                       "speculative_tokens=3", f"speculators_python={SPEC_PY}"]))
+                                       "speculative_tokens=3", f"speculators_python={spec_py}"]))
     rt = s["speculators_roundtrip"]
     assert rt["steps"] == 3 and rt["positions"] > 16  # the templated prompt + 16 greedy tokens
     assert rt["missing_in_file"] == rt["unexpected_in_file"] == rt["value_mismatch"] == []
     assert rt["fp32_max_abs_diff"] < 1e-5 * rt["logit_scale"] and rt["fp32_argmax_equal"] == 1.0
     assert rt["export_dtype_argmax_equal"] > 0.5  # bf16 weights: most argmaxes survive the rounding
     assert load_file(str(tmp_path / "e" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+
+
+def test_a_required_round_trip_fails_instead_of_skipping(tmp_path, monkeypatch):
+    """Without the environment the round-trip tests skip on a developer's machine, but fail where .ci/run requires
+    them; CI_SPECULATORS=0 leaves the variable unset (or 0), which skips again."""
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    monkeypatch.delenv(REQUIRE, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no speculators environment at .*no-venv"):
+        speculators_python(missing)
+    monkeypatch.setenv(REQUIRE, "0")
+    with pytest.raises(pytest.skip.Exception):
+        speculators_python(missing)
+    monkeypatch.setenv(REQUIRE, "1")
+    with pytest.raises(pytest.fail.Exception, match="DRAFTHEADS_REQUIRE_SPECULATORS=1 requires the speculators round"):
+        speculators_python(missing)
+    missing.parent.mkdir(parents=True)
+    missing.write_text("")
+    assert speculators_python(missing) == missing
