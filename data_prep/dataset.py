@@ -19,8 +19,8 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from draftheads.data_prep.sources import (SPLIT_BY, Conversation, dedupe_conversations, load_conversations, prompt_key,
-                               sharegpt_path, split_conversations)
+from draftheads.data_prep.sources import Conversation, load_conversations, sharegpt_path
+from draftheads.data_prep.splits import SPLIT_BY, dedupe_conversations, prompt_key, split_conversations
 from draftheads.data_prep.template import TemplateError, ensure_chat_template, tokenize_conversation
 from draftheads.heads.checkpoint import atomic_dir
 from draftheads.heads.schema import DataConfig  # noqa: F401  (the data group's schema; imported from here by callers)

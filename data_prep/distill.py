@@ -41,7 +41,8 @@ from draftheads.data_prep.fastgen import SlotDecoder, supports
 from draftheads.data_prep.prompt_kinds import kind_counts
 from draftheads.data_prep.shards import (check_shard_out, parse_shard, prompt_signature, read_done, shard_of,
                                          shard_path, summary_path)
-from draftheads.data_prep.sources import Conversation, load_conversations, split_conversations
+from draftheads.data_prep.sources import Conversation, load_conversations
+from draftheads.data_prep.splits import split_conversations
 from draftheads.data_prep.template import ensure_chat_template, prompt_ids
 from draftheads.heads import job, outputs
 from draftheads.heads.checkpoint import atomic_write_text

@@ -13,7 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftheads.data_prep.sources import Conversation, conversation_key
+from draftheads.data_prep.sources import Conversation
+from draftheads.data_prep.splits import conversation_key
 from draftheads.heads import job
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from conftest import compose
 from draftheads.data_prep.dataset import prepare_data
 from draftheads.data_prep.distill import main as distill_main
-from draftheads.data_prep.sources import Conversation, load_conversations, prompt_key, split_conversations
+from draftheads.data_prep.sources import Conversation, load_conversations
+from draftheads.data_prep.splits import prompt_key, split_conversations
 from draftheads.data_prep.template import prompt_ids
 from draftheads.heads.target import load_target
 

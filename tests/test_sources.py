@@ -13,15 +13,12 @@ from draftheads.data_prep.sources import (
     Conversation,
     DataError,
     LoadStats,
-    conversation_key,
-    dedupe_conversations,
     iter_records,
     load_conversations,
     normalize_record,
-    prompt_key,
     sharegpt_path,
-    split_conversations,
 )
+from draftheads.data_prep.splits import conversation_key, dedupe_conversations, prompt_key, split_conversations
 
 
 # --------------------------------------------------------------------------- helpers
