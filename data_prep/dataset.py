@@ -24,7 +24,7 @@ from draftheads.data_prep.splits import SPLIT_BY, dedupe_conversations, prompt_k
 from draftheads.data_prep.template import TemplateError, ensure_chat_template, tokenize_conversation
 from draftheads.heads.checkpoint import atomic_dir
 from draftheads.heads.schema import DataConfig  # noqa: F401  (the data group's schema; imported from here by callers)
-from draftheads.heads.target import cache_root
+from draftheads.heads.target_source import cache_root
 
 log = logging.getLogger(__name__)
 

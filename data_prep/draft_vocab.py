@@ -44,7 +44,7 @@ def _reference_cache_file(source: str, tokenizer: Any, vocab_size: int) -> Path 
     """Where the counts of ``source`` are cached; None when it is not an existing file (the loader then says why)."""
     from draftheads.data_prep.dataset import file_identity, tokenizer_fingerprint
     from draftheads.data_prep.sources import sharegpt_path
-    from draftheads.heads.target import cache_root
+    from draftheads.heads.target_source import cache_root
 
     path = Path(sharegpt_path() if source == "sharegpt" else os.path.expanduser(source))
     if not path.is_file():

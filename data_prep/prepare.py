@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def main(cfg: DictConfig) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from draftheads.heads.target import resolve_target
+    from draftheads.heads.target_source import resolve_target
 
     # Only the tokenizer is needed: resolve the target's directory without loading its weights.
     tcfg = TargetConfig(**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__})

@@ -22,7 +22,8 @@ import torch
 
 from draftheads.eval.generate import _clock, crop_cache, tree_forward
 from draftheads.heads.checkpoint import atomic_write_text
-from draftheads.heads.target import FrozenTarget, cache_root, dtype_name
+from draftheads.heads.target import FrozenTarget, dtype_name
+from draftheads.heads.target_source import cache_root
 
 log = logging.getLogger(__name__)
 

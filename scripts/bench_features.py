@@ -48,7 +48,7 @@ def make_tiny_target(root: Path) -> Path:
     """A random 4-layer Llama (hidden 256) with the embedded SmolLM2 tokenizer and chat template."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from draftheads.heads.target import resolve_embedded
+    from draftheads.heads.target_source import resolve_embedded
 
     src, _ = resolve_embedded("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(src)

@@ -26,7 +26,8 @@ def bench_prepare(max_conversations: int) -> dict:
     from transformers import AutoTokenizer
 
     from draftheads.data_prep.dataset import DataConfig, prepare_data
-    from draftheads.heads.target import TargetConfig, resolve_target
+    from draftheads.heads.target import TargetConfig
+    from draftheads.heads.target_source import resolve_target
 
     path, _ = resolve_target(TargetConfig())
     tok = AutoTokenizer.from_pretrained(path)

@@ -303,7 +303,8 @@ def test_atomic_open_replaces_whole_or_not_at_all(tmp_path):
 
 def test_data_path_directory_and_unknown_target_messages(tmp_path):
     from draftheads.data_prep.dataset import DataConfig, _source_identity
-    from draftheads.heads.target import TargetConfig, resolve_target
+    from draftheads.heads.target import TargetConfig
+    from draftheads.heads.target_source import resolve_target
 
     with pytest.raises(IsADirectoryError, match=f"data.path={tmp_path} is a directory; expected a JSON or JSONL"):
         _source_identity(DataConfig(source="file", path=str(tmp_path)))
