@@ -176,9 +176,12 @@ class OutputLock:
                 "out": str(self.out)}
 
     def acquire(self) -> "OutputLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._info()))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self._info()))
+        except OSError as e:  # name the output the user chose, not the lock's temp file
+            raise OSError(e.errno, e.strerror, str(self.out)) from e
         try:
             for _ in range(5):
                 try:

@@ -137,7 +137,38 @@ def _train_run(ws: Path, a: dict[str, Path]) -> Path:
     tgt = load_target({"name": str(a["target"]), "dtype": "fp32", "local_files_only": True})
     torch.manual_seed(0)
     EagleDraft(eagle_config_for(tgt), tgt).save_pretrained(ws / "eagle-head", tgt.identity)  # untrained, loadable
+    _output_assets(ws, out)
     return out
+
+
+def _output_assets(ws: Path, run: Path) -> None:
+    """What the output cases need: a user's folder, an earlier publish folder, a run folder whose lock a live
+    process holds (this script) and one whose lock a finished process left behind."""
+    import socket
+
+    from draftheads.heads.outputs import _start_ticks, lock_path
+
+    mine = ws / "my-folder"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own notes\n")
+    p = _run(ws, "scripts/publish.py", [f"checkpoint={run / 'final'}", f"out={ws / 'hub'}", "verify_load=false"])
+    if p.returncode != 0:
+        raise SystemExit(f"the reference publish failed:\n{p.stderr[-3000:]}")
+    for name, pid in (("run-held", os.getpid()), ("run-stale", _dead_pid())):
+        lock = lock_path(ws / name)
+        lock.write_text(json.dumps({"job": "training", "pid": pid, "host": socket.gethostname(),
+                                    "start_ticks": _start_ticks(pid), "since": "2026-12-06T00:00:00+0000"}))
+    (ws / "a_file").write_text("not a folder\n")
+    (ws / "roles.json").write_text(json.dumps(
+        [{"id": "r1", "conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "x"},
+                                        {"from": "gpt", "value": "hello"}]}]
+        + [{"id": f"ok{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                              {"from": "gpt", "value": f"answer {i}"}]} for i in range(9)]))
+
+
+def _dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
 
 
 def _tgt(a: dict[str, Path]) -> list[str]:
@@ -239,6 +270,41 @@ def cases(ws: Path, a: dict[str, Path]) -> list[Case]:
              [f"checkpoint={ws / 'nope'}"], 2),
         Case("other", "Sweep report of a directory that does not exist", "scripts/sweep_report.py", [str(ws / "nope")], 2),
         Case("other", "Paired τ with a malformed run spec", "scripts/paired_tau.py", ["a", "b"], 2),
+    ]
+    run, ck = ws / "run", ws / "run" / "final"
+    out += [
+        Case("output", "Export into a folder holding the user's own files", "scripts/export.py",
+             T + [f"checkpoint={ck}", f"out={ws / 'my-folder'}"], 2),
+        Case("output", "Export with `out` = the checkpoint itself", "scripts/export.py", T + [f"checkpoint={ck}", f"out={ck}"],
+             2),
+        Case("output", "Publish with `out` = the training run's folder", "scripts/publish.py",
+             [f"checkpoint={ck}", f"out={run}"], 2),
+        Case("output", "Publish over an earlier publish folder without `overwrite=true`", "scripts/publish.py",
+             [f"checkpoint={ck}", f"out={ws / 'hub'}", "verify_load=false"], 2),
+        Case("output", "Training `out_dir` is an existing file", "train/medusa.py",
+             train + ["train.device=cpu", f"out_dir={ws / 'a_file'}"], 2),
+        Case("output", "Training `out_dir` where nothing may be written (`/sys`)", "train/medusa.py",
+             train + ["train.device=cpu", "out_dir=/sys/draftheads-run"], 2),
+        Case("output", "A second job writing into an `out_dir` another live job holds", "train/medusa.py",
+             train + ["train.device=cpu", f"out_dir={ws / 'run-held'}"], 2),
+        Case("output", "An `out_dir` whose lock a dead job left behind", "train/medusa.py",
+             train + ["train.device=cpu", f"out_dir={ws / 'run-stale'}"], 0, r"warning: taking over the lock [^:]*"),
+        Case("output", "Distillation `out` is a folder", "data_prep/distill.py", T + D() + [f"out={ws / 'a_directory'}"],
+             2),
+        Case("output", "Feature capture into a folder holding the user's own files", "data_prep/features.py",
+             T + D() + [f"out={ws / 'my-folder'}"], 2),
+        Case("config", "`optim.lr=0` (trains nothing)", "train/medusa.py", train + ["train.device=cpu", "optim.lr=0"], 2),
+        Case("config", "`optim.lr=-1e-3`", "train/medusa.py", train + ["train.device=cpu", "optim.lr=-1e-3"], 2),
+        Case("config", "Another family's head option (`head=eagle3` for Medusa)", "train/medusa.py",
+             train + ["train.device=cpu", "head=eagle3"], 2),
+        Case("config", "Another family's experiment (`+experiment=medusa_full` for EAGLE-3)", "train/eagle3.py",
+             T + D() + ["+experiment=medusa_full"], 2),
+        Case("eval", "`tree.top_k=100000` (far beyond one verification forward)", "eval/acceptance.py",
+             eagle + ["tree.top_k=100000"], 2),
+        Case("eval", "Questions from an empty held-out split (`data.heldout_fraction=0`)", "eval/acceptance.py",
+             T + D() + ["drafter=plain", "data.heldout_fraction=0", "max_new_tokens=4", f"out={ws / 'e0.json'}"], 2),
+        Case("data", "Records with a role that does not exist (`narrator`)", "data_prep/prepare.py",
+             T + D(ws / "roles.json") + ["data.heldout_fraction=0.2"], 0, r"first unknown_role: [^;]*"),
     ]
     if not torch.cuda.is_available():
         out.insert(21, Case("train", "`train.device=cuda` on a host without CUDA", "train/medusa.py",
