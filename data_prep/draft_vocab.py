@@ -2,7 +2,7 @@
 
 The draft predicts assistant tokens only, so the vocabulary is the ``DV`` most frequent ids among the
 loss-masked (assistant) tokens of the prepared training split — ties broken by the smaller id — and
-then sorted by id (see heads.eagle3.vocab_mapping). Ids never seen fill the remaining slots in id
+then sorted by id (see heads.eagle3_vocab.vocab_mapping). Ids never seen fill the remaining slots in id
 order, so any DV <= V is valid. Coverage (share of assistant tokens inside the vocabulary) is
 reported so a too-small DV is visible before training.
 

@@ -20,6 +20,9 @@ held unregistered (never trained or saved here; an export writes it from the tar
 
 The draft vocabulary mapping is part of the checkpoint and is validated on load; it is never
 rebuilt from data when a checkpoint is resumed or fine-tuned (the lm_head rows belong to it).
+
+The draft vocabulary's size and mapping: heads/eagle3_vocab.py; training-time-test attention:
+heads/eagle3_ttt.py.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from torch import nn
 
 from draftheads.heads.checkpoint import read_head, save_head
 from draftheads.heads.eagle import _base, _layer_fields, attention_bias, draft_layer_config
+from draftheads.heads.eagle3_ttt import ttt_attention, ttt_attention_dense
+from draftheads.heads.eagle3_vocab import check_vocab_mapping, resolve_draft_vocab_size, vocab_mapping
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "eagle3"
-DEFAULT_DRAFT_VOCAB = 32000
 
 
 # ------------------------------------------------------------------------------------------
@@ -86,19 +90,6 @@ class Eagle3Config:
                              f"vocabulary); a draft vocabulary cannot be larger than the target's")
 
 
-def resolve_draft_vocab_size(requested: int | None, vocab_size: int) -> int:
-    """null -> min(32000, V); an explicit size larger than V is an error, not silently capped."""
-    if requested is None:
-        return min(DEFAULT_DRAFT_VOCAB, vocab_size)
-    requested = int(requested)
-    if requested > vocab_size:
-        raise ValueError(f"head.draft_vocab_size={requested} is larger than the target's vocabulary ({vocab_size}); "
-                         f"use at most {vocab_size} (or null for min({DEFAULT_DRAFT_VOCAB}, V))")
-    if requested < 1:
-        raise ValueError(f"head.draft_vocab_size must be >= 1, got {requested}")
-    return requested
-
-
 def eagle3_config_for(target: FrozenTarget, aux_layers: Sequence[int] | None, draft_vocab_size: int,
                       norm_before_residual: bool = False) -> Eagle3Config:
     L = target.num_layers
@@ -106,108 +97,6 @@ def eagle3_config_for(target: FrozenTarget, aux_layers: Sequence[int] | None, dr
     return Eagle3Config(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=L,
                         aux_layers=aux, draft_vocab_size=resolve_draft_vocab_size(draft_vocab_size, target.vocab_size),
                         norm_before_residual=bool(norm_before_residual), layer_config=_layer_fields(target.config))
-
-
-# ------------------------------------------------------------------------------------------
-# Draft vocabulary mapping
-# ------------------------------------------------------------------------------------------
-
-def vocab_mapping(vocab_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t [DV] int64, t2d [V] bool) from the draft vocabulary's target ids.
-
-    The ids are sorted first: draft id i is then the i-th smallest target id, which is the order in
-    which serving engines select lm_head rows with ``t2d`` (``W[t2d]``), so the rows line up.
-    """
-    ids = torch.as_tensor(vocab_ids, dtype=torch.int64).sort().values
-    if ids.numel() == 0:
-        raise ValueError("empty draft vocabulary")
-    if int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
-        raise ValueError(f"draft vocabulary ids must be in 0..{vocab_size - 1}, got {int(ids[0])}..{int(ids[-1])}")
-    if bool((ids[1:] == ids[:-1]).any()):
-        raise ValueError("draft vocabulary ids repeat")
-    d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return d2t, t2d
-
-
-def check_vocab_mapping(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab_size: int, vocab_size: int,
-                        where: str) -> None:
-    """Refuse a missing or inconsistent mapping with an error naming what is wrong."""
-    missing = [n for n, t in (("d2t", d2t), ("t2d", t2d)) if t is None]
-    if missing:
-        raise ValueError(f"{where} has no {' / '.join(missing)}: the draft-vocabulary mapping is part of an EAGLE-3 "
-                         f"checkpoint (its lm_head rows belong to it) and is never rebuilt from data; use the complete "
-                         f"checkpoint directory")
-    assert d2t is not None and t2d is not None
-    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (draft_vocab_size,):
-        raise ValueError(f"{where}: d2t must be int64 of shape ({draft_vocab_size},) (draft_vocab_size), "
-                         f"got {d2t.dtype} {tuple(d2t.shape)}")
-    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
-        raise ValueError(f"{where}: t2d must be bool of shape ({vocab_size},) (the target's vocabulary), "
-                         f"got {t2d.dtype} {tuple(t2d.shape)}")
-    ids = torch.arange(draft_vocab_size, dtype=torch.int64) + d2t
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or bool((ids[1:] <= ids[:-1]).any()):
-        raise ValueError(f"{where}: d2t does not map draft ids to increasing target ids in 0..{vocab_size - 1}")
-    if int(t2d.sum()) != draft_vocab_size or not bool(t2d[ids].all()):
-        raise ValueError(f"{where}: d2t and t2d disagree (t2d marks {int(t2d.sum())} target ids, d2t maps "
-                         f"{draft_vocab_size} draft ids to {int(t2d[ids].sum())} of them)")
-
-
-# ------------------------------------------------------------------------------------------
-# Training-time-test attention: block structure instead of a dense (k·T)² mask
-# ------------------------------------------------------------------------------------------
-
-def ttt_dense_mask(step0: torch.Tensor, step: int) -> torch.Tensor:
-    """Reference mask of TTT step ``step`` over the keys of steps 0..step: [B, S, (step+1)·S] bool.
-
-    ``step0`` [B, S, S] is the step-0 (causal, per-document) mask. Steps >= 1 add one key per step
-    and position: query t of step s sees step-0 keys ``step0[t]`` plus the key at the same position
-    t of every step 1..s. Used only by tests and the benchmark (memory grows with step·S²).
-    """
-    B, S, _ = step0.shape
-    eye = torch.eye(S, dtype=torch.bool, device=step0.device)[None].expand(B, S, S)
-    return torch.cat([step0] + [eye] * step, dim=-1)
-
-
-def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  step0: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention of TTT step s = len(keys) - 1 without materializing the [S, (s+1)·S] mask.
-
-    q [B, nh, S, d]; keys/values: steps 0..s, each [B, nkv, S, d] (GQA: nh = nkv·g); step0 [B, S, S]
-    bool. Scores against step-0 keys form a masked [S, S] block; against steps 1..s only the same
-    position counts, which is a [S, s] "diagonal" block of row-wise dot products. One softmax over
-    their concatenation; memory O(S² + s·S) per head instead of O(s·S²). Returns [B, nh, S, d].
-    """
-    B, nh, S, d = q.shape
-    nkv = keys[0].shape[1]
-    g = nh // nkv
-    qg = q.view(B, nkv, g, S, d)
-    s0 = torch.einsum("bkgsd,bktd->bkgst", qg, keys[0]).float() * scaling  # [B, nkv, g, S, S]
-    s0 = s0.masked_fill(~step0[:, None, None], float("-inf"))
-    if len(keys) > 1:
-        diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys[1:]], dim=-1).float() * scaling  # [.., S, s]
-        p = torch.softmax(torch.cat([s0, diag], dim=-1), dim=-1).to(q.dtype)
-        out = torch.einsum("bkgst,bktd->bkgsd", p[..., :S], values[0])
-        for j, v in enumerate(values[1:]):
-            out = out + p[..., S + j, None] * v[:, :, None]  # [B, nkv, g, S, d]
-    else:
-        p = torch.softmax(s0, dim=-1).to(q.dtype)
-        out = torch.einsum("bkgst,bktd->bkgsd", p, values[0])
-    return out.reshape(B, nh, S, d)
-
-
-def ttt_attention_dense(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                        step0: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The same attention with the dense reference mask (tests / benchmark only)."""
-    B, nh, S, d = q.shape
-    g = nh // keys[0].shape[1]
-    K = torch.cat(list(keys), dim=2).repeat_interleave(g, dim=1)  # [B, nh, (s+1)S, d]
-    V = torch.cat(list(values), dim=2).repeat_interleave(g, dim=1)
-    mask = ttt_dense_mask(step0, len(keys) - 1)[:, None]  # [B, 1, S, (s+1)S]
-    scores = (q @ K.transpose(-1, -2)).float() * scaling
-    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-    return p @ V
 
 
 # ------------------------------------------------------------------------------------------

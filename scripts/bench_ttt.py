@@ -1,4 +1,4 @@
-"""Benchmark training-time-test attention memory: block form (heads.eagle3.ttt_attention) vs the dense
+"""Benchmark training-time-test attention memory: block form (heads.eagle3_ttt.ttt_attention) vs the dense
 (k·T)-wide reference mask, over TTT steps k and sequence lengths T. Writes JSON.
 
     python scripts/bench_ttt.py [--T 256 512 1024] [--k 1 3 7] [--batch 1] [--out runs/bench/ttt.json]

@@ -26,7 +26,7 @@ from draftheads.data_prep.draft_vocab import (count_assistant_tokens, count_refe
                                    select_draft_vocab, vocab_stats)
 from draftheads.heads import job  # noqa: E402
 from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
-from draftheads.heads.eagle3 import resolve_draft_vocab_size  # noqa: E402
+from draftheads.heads.eagle3_vocab import resolve_draft_vocab_size  # noqa: E402
 from draftheads.heads.target import load_target  # noqa: E402
 
 OWN = ("sizes", "reference", "out")

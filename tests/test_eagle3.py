@@ -19,8 +19,9 @@ from draftheads.data_prep.draft_vocab import count_assistant_tokens, select_draf
 from draftheads.eval.eagle3_drafter import Eagle3Drafter
 from draftheads.eval.eagle_drafter import EagleTreeConfig
 from draftheads.eval.generate import NoDrafter, generate
-from draftheads.heads.eagle3 import (Eagle3Config, Eagle3Draft, check_vocab_mapping, eagle3_config_for, ttt_attention,
-                          ttt_attention_dense, ttt_dense_mask, vocab_mapping)
+from draftheads.heads.eagle3 import Eagle3Config, Eagle3Draft, eagle3_config_for
+from draftheads.heads.eagle3_ttt import ttt_attention, ttt_attention_dense, ttt_dense_mask
+from draftheads.heads.eagle3_vocab import check_vocab_mapping, vocab_mapping
 from draftheads.heads.target import from_model, load_target
 
 AUX = [1, 2, 3]  # the default [2, L//2, L-3] collides on the 4-layer tiny targets

@@ -1,0 +1,64 @@
+"""Training-time-test attention for EAGLE-3: step s of the rollout attends to step 0's keys under the causal mask and
+to the same position of steps 1..s, computed block by block instead of through a dense (k·T)² mask.
+
+Apart from the module (heads/eagle3.py) because it is a pure tensor function with a dense reference, tested and
+benchmarked (scripts/bench_ttt.py) on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def ttt_dense_mask(step0: torch.Tensor, step: int) -> torch.Tensor:
+    """Reference mask of TTT step ``step`` over the keys of steps 0..step: [B, S, (step+1)·S] bool.
+
+    ``step0`` [B, S, S] is the step-0 (causal, per-document) mask. Steps >= 1 add one key per step
+    and position: query t of step s sees step-0 keys ``step0[t]`` plus the key at the same position
+    t of every step 1..s. Used only by tests and the benchmark (memory grows with step·S²).
+    """
+    B, S, _ = step0.shape
+    eye = torch.eye(S, dtype=torch.bool, device=step0.device)[None].expand(B, S, S)
+    return torch.cat([step0] + [eye] * step, dim=-1)
+
+
+def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  step0: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of TTT step s = len(keys) - 1 without materializing the [S, (s+1)·S] mask.
+
+    q [B, nh, S, d]; keys/values: steps 0..s, each [B, nkv, S, d] (GQA: nh = nkv·g); step0 [B, S, S]
+    bool. Scores against step-0 keys form a masked [S, S] block; against steps 1..s only the same
+    position counts, which is a [S, s] "diagonal" block of row-wise dot products. One softmax over
+    their concatenation; memory O(S² + s·S) per head instead of O(s·S²). Returns [B, nh, S, d].
+    """
+    B, nh, S, d = q.shape
+    nkv = keys[0].shape[1]
+    g = nh // nkv
+    qg = q.view(B, nkv, g, S, d)
+    s0 = torch.einsum("bkgsd,bktd->bkgst", qg, keys[0]).float() * scaling  # [B, nkv, g, S, S]
+    s0 = s0.masked_fill(~step0[:, None, None], float("-inf"))
+    if len(keys) > 1:
+        diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys[1:]], dim=-1).float() * scaling  # [.., S, s]
+        p = torch.softmax(torch.cat([s0, diag], dim=-1), dim=-1).to(q.dtype)
+        out = torch.einsum("bkgst,bktd->bkgsd", p[..., :S], values[0])
+        for j, v in enumerate(values[1:]):
+            out = out + p[..., S + j, None] * v[:, :, None]  # [B, nkv, g, S, d]
+    else:
+        p = torch.softmax(s0, dim=-1).to(q.dtype)
+        out = torch.einsum("bkgst,bktd->bkgsd", p, values[0])
+    return out.reshape(B, nh, S, d)
+
+
+def ttt_attention_dense(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                        step0: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The same attention with the dense reference mask (tests / benchmark only)."""
+    B, nh, S, d = q.shape
+    g = nh // keys[0].shape[1]
+    K = torch.cat(list(keys), dim=2).repeat_interleave(g, dim=1)  # [B, nh, (s+1)S, d]
+    V = torch.cat(list(values), dim=2).repeat_interleave(g, dim=1)
+    mask = ttt_dense_mask(step0, len(keys) - 1)[:, None]  # [B, 1, S, (s+1)S]
+    scores = (q @ K.transpose(-1, -2)).float() * scaling
+    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return p @ V
