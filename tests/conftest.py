@@ -139,6 +139,33 @@ def chat_file(tmp_path_factory) -> Path:
     return p
 
 
+def deepest_draft(drafter: dict) -> int:
+    """The most drafts one step of an eval result's drafter can accept: its tree's depth, or the prompt-lookup branch
+    merged into it (tree.lookup_branch, which tree=auto may choose) where that is longer."""
+    return max(int(drafter["tree_depth"]), int(drafter.get("lookup_branch") or 0))
+
+
+def assert_tau_accounts_for_tokens(tau: float, rows: list[dict], max_depth: int | None = None) -> None:
+    """Pin a job's τ to what its turns emitted, instead of ``τ >= 1`` (true of any τ): per turn the first token
+    comes from the prefill and each verification step emits its accepted drafts plus one, so the turn's new
+    tokens end within its last step (that step may be cut by max_new_tokens or EOS); no step accepts more than
+    its tree's depth (``tree_depths`` per step where the row has them, else ``max_depth``); and τ is
+    (accepted + steps) / steps over all rows, as rounded in the result."""
+    acc = steps = 0
+    for r in rows:
+        a = list(r["accepted"])
+        before_last = 1 + sum(x + 1 for x in a[:-1])
+        if a:
+            assert before_last < r["new_tokens"] <= before_last + a[-1] + 1, (r["new_tokens"], a)
+        else:
+            assert r["new_tokens"] == 1, (r["new_tokens"], a)
+        depths = r.get("tree_depths") or [max_depth] * len(a)
+        assert all(d is None or x <= d for x, d in zip(a, depths)), (a, depths)
+        acc, steps = acc + sum(a), steps + len(a)
+    assert steps > 0, rows
+    assert tau == round((acc + steps) / steps, 4), (tau, acc, steps)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module of many tiny forwards: on a loaded 2-core machine two threads made them

@@ -26,8 +26,21 @@ def _groups_of(name: str) -> list[str]:
 
 @pytest.mark.parametrize("name", PRIMARY)
 def test_primary_config_composes(name):
+    """The composed job config holds every group its defaults list and every key its file sets, and a plain value
+    written in the file is the composed value (no group or schema overrode it)."""
+    from omegaconf import OmegaConf
+
     cfg = compose(name, [])
-    assert cfg is not None
+    own = yaml.safe_load((CONF / f"{name}.yaml").read_text())
+    keys = set(own) - {"defaults", "hydra"}
+    groups = {g for g in _groups_of(name) if g in GROUPS}
+    assert keys and keys | groups <= set(cfg), sorted((keys | groups) - set(cfg))
+    for k in keys:
+        v = own[k]
+        if v == "???":
+            assert OmegaConf.is_missing(cfg, k), k
+        elif v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and "${" not in v):
+            assert cfg[k] == v, (k, cfg[k], v)
 
 
 CASES = [(p, g, o) for p in PRIMARY for g in _groups_of(p) if g in GROUPS for o in GROUPS[g]]

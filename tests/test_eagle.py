@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import compose, tiny_model, tiny_train_overrides
+from conftest import assert_tau_accounts_for_tokens, compose, tiny_model, tiny_train_overrides
 from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig
 from draftheads.eval.generate import NoDrafter, generate
 from draftheads.eval.trees import ancestor_mask, dynamic_tree, tree_inputs
@@ -360,8 +360,9 @@ def test_build_drafter_and_eval_config(tmp_path, tiny_target_dir):
         build_drafter("eagle", tgt, str(tmp_path / "d"), compose("eval", ["tree.kind=bushy"]).tree, tgt.dtype)
     with pytest.raises(ValueError, match="static trees only"):
         build_drafter("medusa-init", tgt, None, compose("eval", ["tree.kind=dynamic"]).tree, tgt.dtype)
-    for name, ov in (("eagle", ["features.dir=/some/cache"]), ("features", ["layers=[0,-1]", "dtype=fp32"])):
-        assert compose(name, ov) is not None
+    assert compose("eagle", ["features.dir=/some/cache"]).features.dir == "/some/cache"
+    feats = compose("features", ["layers=[0,-1]", "dtype=fp32"])
+    assert list(feats.layers) == [0, -1] and feats.dtype == "fp32"
 
 
 def test_acceptance_job_with_an_eagle_checkpoint(tmp_path, tiny_target_dir):
@@ -372,14 +373,24 @@ def test_acceptance_job_with_an_eagle_checkpoint(tmp_path, tiny_target_dir):
     _draft(tgt).save_pretrained(tmp_path / "d", tgt.identity)
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["count from one", "again"]}) + "\n")
-    res = eval_main(compose("eval", [
+    cfg = compose("eval", [
         "target=hf", f"target.name={tiny_target_dir}", "target.dtype=fp32", "target.local_files_only=true",
         f"checkpoint={tmp_path / 'd'}", f"questions={qfile}", "max_new_tokens=20", "compare_plain=true",
         f"out={tmp_path / 'eval.json'}", "tree.top_k=4", "tree.nodes=12",
-        "tree.select=default"]))  # depth 6 (the family default); tree=auto is tested in tests/test_autotree.py
+        "tree.select=default"])  # depth 6 (the family default); tree=auto is tested in tests/test_autotree.py
+    res = eval_main(cfg)
     assert res["drafter"]["drafter"] == "eagle" and res["drafter"]["tree_size"] == 13
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 2
-    assert len(res["summary"]["accept_at_depth"]) == 6 and res["summary"]["tau"] >= 1.0
+    assert len(res["summary"]["accept_at_depth"]) == 6
+    assert_tau_accounts_for_tokens(res["summary"]["tau"], res["rows"], 6)
+    # the first turn replayed outside the job: the same drafter decoding the same prompt accepts the same drafts
+    from draftheads.data_prep.template import prompt_ids
+    from draftheads.eval.drafters import build_drafter
+
+    drafter, _ = build_drafter("eagle", tgt, str(tmp_path / "d"), cfg.tree, tgt.dtype)
+    ids = prompt_ids(tgt.tokenizer, [{"role": "user", "content": "count from one"}])
+    first = generate(tgt, drafter, ids, 20, {tgt.tokenizer.eos_token_id})
+    assert res["rows"][0]["accepted"] == first.accepted and res["rows"][0]["new_tokens"] == len(first.tokens)
 
 
 # ------------------------------------------------------------------------------------------ simulated τ

@@ -486,14 +486,13 @@ def test_a_record_extending_an_earlier_one_with_its_id_takes_its_place(tmp_path)
 
 # --------------------------------------------------------------------------- embedded ShareGPT
 
-def test_sharegpt_first_300_fast():
-    t0 = time.perf_counter()
+def test_sharegpt_first_300_stops_early():
+    """Reading stops after the records it needs (fewer than 400 of ~17.7k): that, not a wall-clock bound, is what
+    keeps a small slice fast on a loaded machine."""
     convs, st = load_conversations("sharegpt", max_conversations=300)
-    dt = time.perf_counter() - t0
     assert st.kept == 300 == len(convs) and st.stopped_early
     assert st.path == sharegpt_path() and st.format == "json_array"
     assert st.read < 400 and not st.truncated_tail
-    assert dt < 5.0, dt
     for c in convs:
         assert_well_formed(c)
     assert len({c.id for c in convs}) == 300
