@@ -14,6 +14,7 @@ the target identity, so loading it for another target is refused.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,12 +76,39 @@ def draft_layer_config(target: FrozenTarget) -> Any:
     """The target's config reduced to one layer: the draft layer is built exactly like the target's layers."""
     cfg = copy.deepcopy(target.config)
     cfg.num_hidden_layers = 1
+    # A full-attention layer: the draft attends to what its masks allow (the whole context), and a sliding-window
+    # type would make a cache built from this config (DynamicCache(config=...)) drop the draft's older keys.
     if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types[:1])
+        cfg.layer_types = ["full_attention"]
+    elif getattr(cfg, "sliding_window", None):  # every layer slides (Mistral, Phi-3)
+        cfg.sliding_window = None
     # Tree masks need sdpa or eager; flash kernels take no arbitrary mask.
     impl = getattr(cfg, "_attn_implementation", None)
     cfg._attn_implementation = "eager" if impl == "eager" else "sdpa"
     return cfg
+
+
+def rotary_kwargs(rotary: nn.Module, layer_config: Any) -> dict[str, Any]:
+    """Extra arguments the family's rotary embedding needs: Gemma 3 keeps one table per layer type (local and global
+    bases) and asks which; the draft layer's type is its config's only one (draft_layer_config)."""
+    if "layer_type" not in inspect.signature(type(rotary).forward).parameters:
+        return {}
+    return {"layer_type": list(layer_config.layer_types)[0]}
+
+
+def family_init(layer: nn.Module, target: FrozenTarget) -> None:
+    """Initialize a draft layer built from the target's layer class the way the target's family initializes it.
+
+    Why: the layer's constructor leaves some parameters as ``torch.empty`` memory for the model's own init to fill —
+    mixture-of-experts weights (Qwen3-MoE: NaN here), routers, attention sinks (gpt-oss: 1e38) — and the draft's own
+    init below covers only its Linear layers. Run on a forked RNG, so the draws of the Linear init that follows (and
+    every draft of a dense family) are what they were without it."""
+    init = getattr(target.model, "_init_weights", None)
+    if init is None:
+        return
+    with torch.random.fork_rng(devices=[]):
+        for m in layer.modules():
+            init(m)
 
 
 def eagle_config_for(target: FrozenTarget, feature_layer: int = -1, fc_bias: bool = True) -> EagleConfig:
@@ -119,6 +147,8 @@ class EagleDraft(nn.Module):
         self.layer = layer_cls(self.layer_config, layer_idx=0)
         base = _base(target)
         self.rotary = type(base.rotary_emb)(config=self.layer_config)  # buffers only, not persistent
+        self._rope_kw = rotary_kwargs(self.rotary, self.layer_config)
+        family_init(self.layer, target)
         self._init_weights(float(getattr(self.layer_config, "initializer_range", 0.02)))
         # Frozen target modules, unregistered: not trained, not in state_dict, not wrapped by DDP.
         object.__setattr__(self, "_embed", target.embed_tokens())
@@ -154,7 +184,7 @@ class EagleDraft(nn.Module):
         w = self.fc.weight
         e = self._embed(next_ids).to(w.dtype)  # [B, S, H]
         x = self.fc(torch.cat([e, features.to(w.dtype)], dim=-1))  # [B, S, H]
-        pos_emb = self.rotary(x, position_ids)
+        pos_emb = self.rotary(x, position_ids, **self._rope_kw)
         mask = attention_bias(allowed, self.attn_impl, x.dtype)
         out = self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
                          use_cache=cache is not None, position_embeddings=pos_emb)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from draftheads.heads.checkpoint import read_head, save_head
-from draftheads.heads.eagle import _base, _layer_fields, attention_bias, draft_layer_config
+from draftheads.heads.eagle import _base, _layer_fields, attention_bias, draft_layer_config, family_init, rotary_kwargs
 from draftheads.heads.eagle3_ttt import ttt_attention, ttt_attention_dense
 from draftheads.heads.eagle3_vocab import check_vocab_mapping, resolve_draft_vocab_size, vocab_mapping
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
@@ -129,6 +129,13 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(len(config.aux_layers) * H, H, bias=False)  # serving engines expect no bias
         layer = type(target.decoder_layers()[0])(self.layer_config, layer_idx=0)  # the target family's own layer
         attn = layer.self_attn
+        lacks = [n for n in ("q_proj", "k_proj", "v_proj") if not isinstance(getattr(attn, n, None), nn.Linear)]
+        lacks += [n for n in ("input_layernorm", "post_attention_layernorm") if not hasattr(layer, n)]
+        if lacks:  # fused projections (Phi-3's qkv_proj) or norms after the blocks (OLMo 2)
+            raise ValueError(f"EAGLE-3 widens the q/k/v projections of the target's decoder layer to read [embedding; "
+                             f"feature] and norms its inputs with the layer's input_layernorm; target model_type "
+                             f"{target.config.model_type!r} has a {type(layer).__name__} without {lacks} (Medusa and "
+                             f"EAGLE support it)")
         for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embed; h]: 2H wide
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
@@ -140,8 +147,10 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(H, DV, bias=False)
         base = _base(target)
         self.rotary = type(base.rotary_emb)(config=self.layer_config)  # buffers only, not persistent
+        self._rope_kw = rotary_kwargs(self.rotary, self.layer_config)
         self.register_buffer("d2t", torch.zeros(DV, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        family_init(layer, target)
         self._init_weights(float(getattr(self.layer_config, "initializer_range", 0.02)))
         self._rope = _rope_fn(attn)
         params = inspect.signature(attn.forward).parameters
@@ -206,7 +215,8 @@ class Eagle3Draft(nn.Module):
     def _finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         layer = self.layers[0]
         h = residual + attn_out
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        m = layer.mlp(layer.post_attention_layernorm(h))
+        return h + (m[0] if isinstance(m, tuple) else m)  # gpt-oss's MLP also returns its router scores
 
     def forward(
         self,
@@ -219,7 +229,7 @@ class Eagle3Draft(nn.Module):
         """One pass with an arbitrary mask through the family's attention (drafting, trees): [B, S, H] outputs
         (pre-final-norm; what is fed back as the next step's h)."""
         x, residual = self._inputs(h, next_ids)
-        pos_emb = self.rotary(x, position_ids)
+        pos_emb = self.rotary(x, position_ids, **self._rope_kw)
         mask = attention_bias(allowed, self.attn_impl, x.dtype)
         a, _ = self.layers[0].self_attn(hidden_states=x, position_embeddings=pos_emb, attention_mask=mask,
                                         **{self._cache_kw: cache})
@@ -264,10 +274,11 @@ class Eagle3Draft(nn.Module):
         outs = []
         for s in range(steps):
             x, residual = self._inputs(h, tokens[:, s: s + S])
-            q, k, v = self._qkv(x, self.rotary(x, position_ids + s))
+            q, k, v = self._qkv(x, self.rotary(x, position_ids + s, **self._rope_kw))
             keys.append(k)
             values.append(v)
-            a = attend(q, keys, values, step0, attn.scaling)  # [B, nh, S, d]
+            a = attend(q, keys, values, step0, attn.scaling, softcap=getattr(attn, "attn_logit_softcapping", None),
+                       sinks=getattr(attn, "sinks", None))  # [B, nh, S, d]
             a = attn.o_proj(a.transpose(1, 2).reshape(B, S, -1))
             h = self._finish(residual, a)
             outs.append(h)

@@ -24,41 +24,61 @@ def ttt_dense_mask(step0: torch.Tensor, step: int) -> torch.Tensor:
     return torch.cat([step0] + [eye] * step, dim=-1)
 
 
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit softcapping (cap·tanh(x/cap) before the mask), as its eager attention applies it."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _softmax(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim; with gpt-oss's attention sinks, one more logit per head that takes probability
+    mass and no value (dropped after the softmax). ``sinks`` is shaped to broadcast as logits[..., :1]."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sinks.float().expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  step0: torch.Tensor, scaling: float) -> torch.Tensor:
+                  step0: torch.Tensor, scaling: float, *, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of TTT step s = len(keys) - 1 without materializing the [S, (s+1)·S] mask.
 
     q [B, nh, S, d]; keys/values: steps 0..s, each [B, nkv, S, d] (GQA: nh = nkv·g); step0 [B, S, S]
     bool. Scores against step-0 keys form a masked [S, S] block; against steps 1..s only the same
     position counts, which is a [S, s] "diagonal" block of row-wise dot products. One softmax over
     their concatenation; memory O(S² + s·S) per head instead of O(s·S²). Returns [B, nh, S, d].
+    ``softcap`` (Gemma 2) and ``sinks`` [nh] (gpt-oss) as the family's own attention applies them, so the rollout
+    trains what the drafter's forward computes.
     """
     B, nh, S, d = q.shape
     nkv = keys[0].shape[1]
     g = nh // nkv
     qg = q.view(B, nkv, g, S, d)
-    s0 = torch.einsum("bkgsd,bktd->bkgst", qg, keys[0]).float() * scaling  # [B, nkv, g, S, S]
+    sk = None if sinks is None else sinks.view(1, nkv, g, 1, 1)  # head h = kv group h // g, as repeat_kv orders them
+    s0 = _capped(torch.einsum("bkgsd,bktd->bkgst", qg, keys[0]).float() * scaling, softcap)  # [B, nkv, g, S, S]
     s0 = s0.masked_fill(~step0[:, None, None], float("-inf"))
     if len(keys) > 1:
         diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys[1:]], dim=-1).float() * scaling  # [.., S, s]
-        p = torch.softmax(torch.cat([s0, diag], dim=-1), dim=-1).to(q.dtype)
+        p = _softmax(torch.cat([s0, _capped(diag, softcap)], dim=-1), sk).to(q.dtype)
         out = torch.einsum("bkgst,bktd->bkgsd", p[..., :S], values[0])
         for j, v in enumerate(values[1:]):
             out = out + p[..., S + j, None] * v[:, :, None]  # [B, nkv, g, S, d]
     else:
-        p = torch.softmax(s0, dim=-1).to(q.dtype)
+        p = _softmax(s0, sk).to(q.dtype)
         out = torch.einsum("bkgst,bktd->bkgsd", p, values[0])
     return out.reshape(B, nh, S, d)
 
 
 def ttt_attention_dense(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                        step0: torch.Tensor, scaling: float) -> torch.Tensor:
+                        step0: torch.Tensor, scaling: float, *, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention with the dense reference mask (tests / benchmark only)."""
     B, nh, S, d = q.shape
     g = nh // keys[0].shape[1]
     K = torch.cat(list(keys), dim=2).repeat_interleave(g, dim=1)  # [B, nh, (s+1)S, d]
     V = torch.cat(list(values), dim=2).repeat_interleave(g, dim=1)
     mask = ttt_dense_mask(step0, len(keys) - 1)[:, None]  # [B, 1, S, (s+1)S]
-    scores = (q @ K.transpose(-1, -2)).float() * scaling
-    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    scores = _capped((q @ K.transpose(-1, -2)).float() * scaling, softcap)
+    sk = None if sinks is None else sinks.view(1, nh, 1, 1)
+    p = _softmax(scores.masked_fill(~mask, float("-inf")), sk).to(q.dtype)
     return p @ V
