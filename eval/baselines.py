@@ -121,9 +121,11 @@ class DraftModelDrafter:
         return self.model.get_output_embeddings().weight.device
 
     def new_cache(self) -> Any:
+        """Every position on every layer (as FrozenTarget.new_cache): ``accept`` crops it back to the accepted
+        drafts, which a sliding-window layer that has dropped its oldest positions cannot be."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        return DynamicCache()
 
     @torch.no_grad()
     def _feed(self, ids: Sequence[int]) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from draftheads.eval.trees import ancestor_mask, depths_of
 from draftheads.eval.verify import apply_sampling, verify_tree
-from draftheads.heads.target import FrozenTarget
+from draftheads.heads.target import FrozenTarget, softcap
 
 
 @dataclass
@@ -208,9 +208,11 @@ class LazyLogitRows(_RowsOnDemand):
     computed alone. A row is the same product as in the full pass, so greedy results are unchanged.
     """
 
-    def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, prefetch: Sequence[int] = ()):
+    def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, prefetch: Sequence[int] = (),
+                 cap: float | None = None):
+        """``cap``: the target's final logit softcap (FrozenTarget.logit_softcap), applied to every row."""
         self.hidden = hidden  # [N, H] final-normed last hidden states
-        self.lm_head = lm_head
+        self.lm_head = lambda h: softcap(lm_head(h), cap)
         self.shape = torch.Size((hidden.shape[0], lm_head.weight.shape[0]))
         self.dtype = lm_head.weight.dtype
         self.computed = 0  # rows that went through the lm_head (tests, benchmarks)
@@ -270,10 +272,62 @@ def tree_forward(target: FrozenTarget, tokens: torch.Tensor, mask: torch.Tensor 
     if n == 1:  # plain step: the usual causal path, no custom mask
         return target(tokens.view(1, 1).to(dev), cache=cache, layers=layers,
                       position_ids=torch.tensor([[cur]], device=dev), logits=logits)
+    depths = depths.to(dev)
     full = torch.ones(n, cur + n, dtype=torch.bool, device=dev)  # [N, cur+N]: prefix, then ancestors
     full[:, cur:] = mask.to(dev)
-    return target(tokens.view(1, n).to(dev), cache=cache, layers=layers, attention_mask=full[None, None],
-                  position_ids=(cur + depths).view(1, n).to(dev), logits=logits)
+    windows = attention_windows(target.config)
+    masks = {kind: _ready_mask(_windowed(full, depths, cur, w), target) for kind, w in windows.items()}
+    # one layer type: one mask for every layer; mixed (Gemma 2/3, Qwen2 max_window_layers, gpt-oss): the models'
+    # {layer type: mask} form, which they take as their per-type masks
+    amask = next(iter(masks.values())) if len(masks) == 1 else masks
+    return target(tokens.view(1, n).to(dev), cache=cache, layers=layers, attention_mask=amask,
+                  position_ids=(cur + depths).view(1, n), logits=logits)
+
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+def attention_windows(config: Any) -> dict[str, int | None]:
+    """{layer type: sliding window (None = full attention)} of a target's decoder layers.
+
+    Why: a tree forward hands the model a ready [N, cur+N] mask, which transformers uses as it is on every layer;
+    a sliding-window layer must not see keys more than ``window - 1`` positions back, so its mask is cut here the
+    way transformers cuts its own (key position > query position - window). Layer types as transformers' caches
+    read them: ``layer_types`` if the config has it, else every layer sliding when ``sliding_window`` is set
+    (Mistral, Phi-3)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+    odd = sorted(set(types) - set(ATTENTION_KINDS))
+    if odd:
+        raise ValueError(f"target model_type {getattr(cfg, 'model_type', '?')!r} has decoder layers of type {odd}; "
+                         f"tree verification supports {list(ATTENTION_KINDS)}")
+    return {t: (int(window) if t == "sliding_attention" and window else None) for t in dict.fromkeys(types)}
+
+
+def _ready_mask(allowed: torch.Tensor, target: FrozenTarget) -> torch.Tensor:
+    """[N, K] bool (True = may attend) -> the [1, 1, N, K] mask the target's attention takes as it is: bool for sdpa,
+    additive float for eager (eager adds the mask to the scores: a bool one would add 0 or 1 and mask nothing)."""
+    impl = getattr(target.config, "_attn_implementation", None) or "sdpa"
+    m = allowed[None, None]
+    if impl == "sdpa":
+        return m
+    if impl == "eager":
+        dtype = target.dtype
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+    raise ValueError(f"tree verification needs the target's attn_implementation to be sdpa or eager (a mask per "
+                     f"tree node); it is {impl!r}")
+
+
+def _windowed(full: torch.Tensor, depths: torch.Tensor, cur: int, window: int | None) -> torch.Tensor:
+    """The tree mask [N, cur+N] of a layer that sees only keys less than ``window`` positions back.
+
+    Node i sits at position cur + depths[i]; prefix key j at position j, tree key k at cur + depths[k]."""
+    if window is None:
+        return full
+    kpos = torch.cat([torch.arange(cur, device=full.device), cur + depths])  # [cur+N] key positions
+    qpos = cur + depths  # [N]
+    return full & (qpos[:, None] - kpos[None, :] < window)
 
 
 @torch.no_grad()
@@ -326,7 +380,8 @@ def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | tor
         out = tree_forward(target, tree.tokens, amask, depths, cur, cache, layers, logits=n == 1)
         logits = out["logits"][0] if n == 1 else LazyLogitRows(
             out["last_hidden"][0], target.lm_head(),
-            tree.prefetch if tree.prefetch is not None else first_choice_chain(tree.parents))  # [N, V], rows on demand
+            tree.prefetch if tree.prefetch is not None else first_choice_chain(tree.parents),
+            target.logit_softcap)  # [N, V], rows on demand
         res.target_seconds += _clock(dev) - t1
         dist = _target_dist(logits, mode, sampling)  # [N, V] (rows computed on demand)
         accepted, nxt = verify_tree(tree.tokens, tree.parents, dist, tree.draft_probs, mode=mode, generator=generator)

@@ -197,6 +197,12 @@ class FrozenTarget(nn.Module):
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    @property
+    def logit_softcap(self) -> float | None:
+        """Gemma 2/3's ``final_logit_softcapping``: the model's logits are cap·tanh(lm_head(h)/cap), not lm_head(h)."""
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return float(cap) if cap else None
+
     def embed_tokens(self) -> nn.Module:
         return self.model.get_input_embeddings()
 
@@ -205,9 +211,15 @@ class FrozenTarget(nn.Module):
         return base.layers
 
     def new_cache(self):
+        """A KV cache holding every position on every layer, sliding-window layers included.
+
+        Why not ``DynamicCache(config=...)``: its sliding-window layers keep only the last ``window - 1`` positions,
+        so a tree forward (more than one query, a ready mask over the whole prefix) does not line up with them, and
+        the speculative loop's rollback (keep the prefix plus the accepted path) cannot restore positions they have
+        dropped. The window is applied by the masks instead (the model's own, or eval.generate.tree_forward's)."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        return DynamicCache()
 
     @torch.no_grad()
     def forward(
@@ -252,12 +264,17 @@ class FrozenTarget(nn.Module):
         if -1 in layers:
             captured[-1] = last
         if logits is True:
-            lg = self.lm_head()(last)
+            lg = softcap(self.lm_head()(last), self.logit_softcap)
         elif logits is False or logits is None:
             lg = None
         else:
-            lg = self.lm_head()(last[logits])  # [n, V]
+            lg = softcap(self.lm_head()(last[logits]), self.logit_softcap)  # [n, V]
         return {"logits": lg, "hidden": captured, "last_hidden": last, "cache": cache}
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap·tanh(logits/cap), as transformers' Gemma models finish their logits (identity for cap None)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _fingerprint(model: nn.Module) -> str:
