@@ -4,9 +4,12 @@ logit softcapping and gpt-oss's attention sinks equals the dense reference and t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from draftheads.heads.eagle3_ttt import ttt_attention, ttt_attention_dense, ttt_dense_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(S: int = 5, steps: int = 3, nkv: int = 2, g: int = 2, d: int = 8):
