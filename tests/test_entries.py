@@ -72,6 +72,7 @@ NOT_RUN = {
     "scripts/bench_medusa.py": "benchmark: argparse only",
     "scripts/bench_ttt.py": "benchmark: re-execs itself first (allocator setting)",
     "scripts/reliability_table.py": "runs training jobs; argparse only",
+    "scripts/arch_matrix_table.py": "renders a committed table; --run trains heads for the architecture matrix",
 }
 
 
