@@ -18,6 +18,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from draftheads.eval import tree_masks
+from draftheads.eval.tree_masks import attention_windows  # noqa: F401  (re-exported: callers read it here)
 from draftheads.eval.trees import ancestor_mask, depths_of
 from draftheads.eval.verify import apply_sampling, verify_tree
 from draftheads.heads.target import FrozenTarget, softcap
@@ -275,59 +277,9 @@ def tree_forward(target: FrozenTarget, tokens: torch.Tensor, mask: torch.Tensor 
     depths = depths.to(dev)
     full = torch.ones(n, cur + n, dtype=torch.bool, device=dev)  # [N, cur+N]: prefix, then ancestors
     full[:, cur:] = mask.to(dev)
-    windows = attention_windows(target.config)
-    masks = {kind: _ready_mask(_windowed(full, depths, cur, w), target) for kind, w in windows.items()}
-    # one layer type: one mask for every layer; mixed (Gemma 2/3, Qwen2 max_window_layers, gpt-oss): the models'
-    # {layer type: mask} form, which they take as their per-type masks
-    amask = next(iter(masks.values())) if len(masks) == 1 else masks
+    amask = tree_masks.layer_masks(full, depths, cur, target)  # cut to each layer type's window
     return target(tokens.view(1, n).to(dev), cache=cache, layers=layers, attention_mask=amask,
                   position_ids=(cur + depths).view(1, n), logits=logits)
-
-
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
-
-
-def attention_windows(config: Any) -> dict[str, int | None]:
-    """{layer type: sliding window (None = full attention)} of a target's decoder layers.
-
-    Why: a tree forward hands the model a ready [N, cur+N] mask, which transformers uses as it is on every layer;
-    a sliding-window layer must not see keys more than ``window - 1`` positions back, so its mask is cut here the
-    way transformers cuts its own (key position > query position - window). Layer types as transformers' caches
-    read them: ``layer_types`` if the config has it, else every layer sliding when ``sliding_window`` is set
-    (Mistral, Phi-3)."""
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
-    odd = sorted(set(types) - set(ATTENTION_KINDS))
-    if odd:
-        raise ValueError(f"target model_type {getattr(cfg, 'model_type', '?')!r} has decoder layers of type {odd}; "
-                         f"tree verification supports {list(ATTENTION_KINDS)}")
-    return {t: (int(window) if t == "sliding_attention" and window else None) for t in dict.fromkeys(types)}
-
-
-def _ready_mask(allowed: torch.Tensor, target: FrozenTarget) -> torch.Tensor:
-    """[N, K] bool (True = may attend) -> the [1, 1, N, K] mask the target's attention takes as it is: bool for sdpa,
-    additive float for eager (eager adds the mask to the scores: a bool one would add 0 or 1 and mask nothing)."""
-    impl = getattr(target.config, "_attn_implementation", None) or "sdpa"
-    m = allowed[None, None]
-    if impl == "sdpa":
-        return m
-    if impl == "eager":
-        dtype = target.dtype
-        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
-    raise ValueError(f"tree verification needs the target's attn_implementation to be sdpa or eager (a mask per "
-                     f"tree node); it is {impl!r}")
-
-
-def _windowed(full: torch.Tensor, depths: torch.Tensor, cur: int, window: int | None) -> torch.Tensor:
-    """The tree mask [N, cur+N] of a layer that sees only keys less than ``window`` positions back.
-
-    Node i sits at position cur + depths[i]; prefix key j at position j, tree key k at cur + depths[k]."""
-    if window is None:
-        return full
-    kpos = torch.cat([torch.arange(cur, device=full.device), cur + depths])  # [cur+N] key positions
-    qpos = cur + depths  # [N]
-    return full & (qpos[:, None] - kpos[None, :] < window)
 
 
 @torch.no_grad()

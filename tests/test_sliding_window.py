@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 import draftheads.eval.generate as generate_mod
+import draftheads.eval.tree_masks as tree_masks_mod
 from draftheads.eval.drafters import build_drafter
 from draftheads.eval.exactness import chi2_tv
 from draftheads.eval.generate import DraftTree, attention_windows, commit_tree_path, generate, tree_forward
@@ -282,6 +283,6 @@ def test_exact_rule_samples_the_target_distribution_beyond_the_window(family, sm
     st, steps = sample_fit(tgt, drafter, prompt, joint, 1000, seed=1)
     assert consistent(st), (family, st)
     assert any(a > 0 for a, _ in steps) and any(a < d for a, d in steps), steps  # accepts and rejections ran
-    monkeypatch.setattr(generate_mod, "_windowed", lambda full, depths, cur, window: full)
+    monkeypatch.setattr(tree_masks_mod, "windowed", lambda full, depths, cur, window: full)
     st, _ = sample_fit(tgt, drafter, prompt, joint, 1000, seed=1)
     assert not consistent(st) and st["p_value"] < 1e-6, (family, "window-blind", st)
