@@ -576,7 +576,7 @@ def test_distill_benchmark_ceiling_times_every_linear_layer_and_combines_prefill
     assert d > 0 and p > 0
     assert res["gflop_per_token"] == pytest.approx(2 * params / 1e9, rel=1e-3)
     assert res["new_tokens_per_s_linear_only"] == pytest.approx(1 / (1 / d + 0.5 / p), rel=0.01)
-    assert res["new_tokens_per_s_linear_only"] < min(d, 2 * p)
+    assert res["new_tokens_per_s_linear_only"] <= min(d, 2 * p)  # strict before rounding to 0.1 tok/s; equal after it when one rate dominates
     alone = linear_ceiling(m, rows=4, prefill_per_new=0.0, prefill_rows=16, reps=1)
     assert alone["new_tokens_per_s_linear_only"] == pytest.approx(alone["decode_linear_tokens_per_s"], rel=0.01)
 
