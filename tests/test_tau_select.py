@@ -131,11 +131,11 @@ def test_best_holds_the_head_of_the_step_with_the_highest_measured_tau(tmp_path,
 def test_a_fine_tune_measures_its_starting_head_and_keeps_it_when_no_step_beats_it(tmp_path, word_target_dir,
                                                                                  distilled_file):
     """head.init_from: τ of the starting head is measured before step 1 (train.tau_eval.at_start=null means "when
-    the head starts from trained weights"), and it is a best/ candidate. With lr 0 every step measures the same τ,
-    so the tie keeps step 0 and best/ holds the starting head's weights."""
+    the head starts from trained weights"), and it is a best/ candidate. With lr 1e-30 (0 is refused) no fp32 weight
+    moves, every step measures the same τ, so the tie keeps step 0 and best/ holds the starting head's weights."""
     start = tmp_path / "start"
     _run("eagle3", word_target_dir, distilled_file, start, **{"train.max_steps": 3 * K})
-    kw = {"head.init_from": start / "final", "train.max_steps": K, "optim.lr": 0.0}
+    kw = {"head.init_from": start / "final", "train.max_steps": K, "optim.lr": 1e-30}
     ft = tmp_path / "ft"
     summary = _run("eagle3", word_target_dir, distilled_file, ft, **kw)
     taus = _taus(ft)
