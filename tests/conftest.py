@@ -166,6 +166,20 @@ def assert_tau_accounts_for_tokens(tau: float, rows: list[dict], max_depth: int 
     assert tau == round((acc + steps) / steps, 4), (tau, acc, steps)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Every test but the SmolLM2 integration ones runs torch on one thread: their models are tiny, and on a 2-core
+    host two threads made each small op wait for the other core (the fast tier took 1.6-2x longer); restored
+    afterwards. Subprocesses a test starts keep their own thread count."""
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module of many tiny forwards: on a loaded 2-core machine two threads made them

@@ -197,6 +197,7 @@ def test_roundtrip_option_refuses_a_missing_python_and_another_format(tmp_path, 
         export_main(compose("export", base + ["format=sglang", f"speculators_python={SPEC_PY}"]))
 
 
+@pytest.mark.slow  # 8-14 s: a whole job chain or a child process; the fast tier keeps the unit checks
 def test_export_job_round_trip_through_speculators_on_a_chat_prompt(tmp_path, tiny_target_dir):
     """``speculators_python=`` makes the export job itself reload a bf16 export in speculators: exact keys and
     values, fp32 logits equal ours on a chat-templated prompt + greedy answer."""

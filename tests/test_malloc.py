@@ -51,6 +51,7 @@ def _probe(**env: str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
+@pytest.mark.slow  # 8-14 s: a whole job chain or a child process; the fast tier keeps the unit checks
 @glibc
 def test_freed_memory_is_reused_without_page_faults_and_the_users_choice_wins():
     pages = 5 * (2 ** 26 // os.sysconf("SC_PAGE_SIZE"))  # five 64 MiB tensors

@@ -25,7 +25,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import CONF, REPO, compose, run_tree, tiny_model, tiny_train_overrides
+from conftest import (CONF, REPO, assert_tau_accounts_for_tokens, compose, deepest_draft, run_tree, tiny_model,
+                      tiny_train_overrides)
 from draftheads.train.loop import accepted_lengths, list_checkpoints, lockstep_batches
 
 LAUNCH = CONF / "launch"
@@ -485,6 +486,7 @@ def test_sweep_trains_evaluates_and_reports(tmp_path, tiny_target_dir, chat_file
 
 # ------------------------------------------------------------------------------------------ publishing
 
+@pytest.mark.slow  # 8-14 s: a whole job chain or a child process; the fast tier keeps the unit checks
 def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_target_dir, chat_file, monkeypatch,
                                                                capsys):
     from draftheads.eval.acceptance import main as eval_main
@@ -499,7 +501,7 @@ def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_ta
                           "target.dtype=fp32", "questions=null", "data=file", f"data.path={chat_file}", "data.max_length=64", "data.heldout_fraction=0.1",
                           f"data.cache_dir={run / 'data-cache'}", "max_questions=2", "max_new_tokens=8",
                           f"out={run / 'eval.json'}"])
-    eval_main(ev)
+    measured = eval_main(ev)
     secret = "hf_THIS_IS_A_SECRET_TOKEN_123"
     monkeypatch.setenv("HF_TOKEN", secret)
     pcfg = lambda *o: compose("publish", [f"checkpoint={run / 'final'}", "overwrite=true", *o])  # noqa: E731  (republished below)
@@ -515,7 +517,8 @@ def test_publish_folder_round_trips_and_pushes_only_when_asked(tmp_path, tiny_ta
     head_cfg = json.loads((hub / "config.json").read_text())
     assert head_cfg["target"]["fingerprint"] in card and "## Measured τ" in card
     tau = json.loads((hub / "tau_table.json").read_text())
-    assert len(tau) == 1 and tau[0]["tau"] >= 1.0 and f"{tau[0]['tau']:.3f}" in card
+    assert len(tau) == 1 and tau[0]["tau"] == measured["summary"]["tau"] and f"{tau[0]['tau']:.3f}" in card
+    assert_tau_accounts_for_tokens(measured["summary"]["tau"], measured["rows"], deepest_draft(measured["drafter"]))
     assert yaml.safe_load((hub / "training_config.yaml").read_text())["head"]["num_heads"] == 2
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
     a, b = MedusaHeads.from_pretrained(hub, tgt), MedusaHeads.from_pretrained(run / "final", tgt)
