@@ -290,11 +290,12 @@ def test_loss_alignment_masking_and_out_of_vocab_targets(monkeypatch):
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     # gradients: the fused soft-CE (and its checkpointed form, what training uses) vs plain autograd
     g_ref = torch.autograd.grad(ref, list(d.parameters()))
-    import draftheads.train.eagle3 as train_eagle3
+    import draftheads.train.losses as losses
 
     for ck in (False, True):
-        if ck:  # also several row chunks in the fused loss (5 rows each)
-            monkeypatch.setattr(train_eagle3, "CE_CHUNK_ELEMENTS", 100)
+        if ck:  # also several row chunks in the fused loss and in the loss (5 rows each)
+            monkeypatch.setattr(losses, "CE_CHUNK_ELEMENTS", 100)
+            monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 100)
         o = Eagle3Objective(d, tgt, ttt_steps=k, decay=0.8, loss_checkpoint=ck)
         g = torch.autograd.grad(o(batch)[0], list(d.parameters()))
         for a, b in zip(g, g_ref):

@@ -28,6 +28,7 @@ from draftheads.heads import job
 from draftheads.heads.eagle import EagleDraft, eagle_config_for
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import draft_sequence, feature_source, heldout_evaluator
+from draftheads.train.losses import SoftCrossEntropy, chunked_sum, chunked_topk
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accelerator, reference_ranks,
                         resolve_out_dir, save_run_config, write_summary)
 
@@ -94,20 +95,31 @@ class EagleObjective(nn.Module):
         p, tf, tl, valid = self.predict(batch, hidden, noise=self.training)
         n = valid.sum().float()
         feat = F.smooth_l1_loss(p.float(), tf.float(), reduction="none").mean(-1).sum()  # Σ_t mean_H
-        logp = torch.log_softmax(self.draft.logits(p).float(), dim=-1)  # [n, V]
-        with torch.no_grad():
-            tprob = torch.softmax(self.target.lm_head()(tl.to(self.target.dtype)).float(), dim=-1)  # [n, V]
-        ce = -(tprob * logp).sum()
+        labels = batch["input_ids"][:, 2:][valid]  # [n] x_{t+2}
+        # draft and target [rows, V] logits one row chunk at a time (recomputed in backward): never [n, V]
+        ce, hits = chunked_sum(self._chunk_ce, p, tl, labels, vocab=self.draft.config.vocab_size)
+        assert hits is not None
         loss = self.w_feat * feat + self.w_tok * ce
-        with torch.no_grad():
-            labels = batch["input_ids"][:, 2:][valid]  # [n] x_{t+2}
-            top5 = logp.topk(5, dim=-1).indices  # [n, 5]
-            tgt = tprob.argmax(-1)  # [n] the target's greedy token
-            stats = {"feat": (feat.detach(), n), "ce": (ce.detach(), n),
-                     "top1/target": ((top5[:, 0] == tgt).sum().float(), n),
-                     "top5/target": ((top5 == tgt[:, None]).any(-1).sum().float(), n),
-                     "top1/label": ((top5[:, 0] == labels).sum().float(), n)}
+        stats = {"feat": (feat.detach(), n), "ce": (ce.detach(), n), "top1/target": (hits[0], n),
+                 "top5/target": (hits[1], n), "top1/label": (hits[2], n)}
         return loss, stats
+
+    def _chunk_ce(self, p: torch.Tensor, tl: torch.Tensor, labels: torch.Tensor, stats: bool = True,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Σ soft-CE(draft logits of p, target's softmax of tl) over a row chunk (p, tl [rows, H], labels [rows]);
+        with ``stats`` also [top-1 = target argmax, target argmax in top-5, top-1 = label] counts."""
+        z = self.draft.logits(p).float()  # [rows, V]
+        with torch.no_grad():
+            tprob = torch.softmax(self.target.lm_head()(tl.to(self.target.dtype)).float(), dim=-1)  # [rows, V]
+        ce, _ = SoftCrossEntropy.apply(z, tprob)
+        if not stats:
+            return ce, None
+        with torch.no_grad():
+            top5 = z.topk(min(5, z.shape[-1]), dim=-1).indices  # [rows, 5]
+            tgt = tprob.argmax(-1)  # [rows] the target's greedy token
+            hits = torch.stack([(top5[:, 0] == tgt).sum(), (top5 == tgt[:, None]).any(-1).sum(),
+                                (top5[:, 0] == labels).sum()]).float()
+        return ce, hits
 
     @torch.no_grad()
     def chain_rollout(self, features: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, step0: torch.Tensor,
@@ -159,8 +171,8 @@ class EagleObjective(nn.Module):
         ranks = []
         for s in range(D):  # depth s+1; the lm_head runs on every rank, also for n = 0
             ref = ids[:, 2 + s: 2 + s + n_pos][win]  # [n] x_{t+2+s}
-            logits = self.draft.logits(outs[s][:, :n_pos][win])  # [n, V]
-            ranks.append(reference_ranks(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices, ref, top_k))
+            top = chunked_topk(outs[s][:, :n_pos][win], self.draft.logits, top_k, self.draft.config.vocab_size)
+            ranks.append(reference_ranks(top, ref, top_k))
         return torch.stack(ranks, dim=1), considered
 
     def save_pretrained(self, path, extra: dict[str, Any]) -> None:

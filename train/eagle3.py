@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from draftheads.data_prep.dataset import prepare_data, shifted_valid
 from draftheads.data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores, select_draft_vocab,
@@ -46,53 +46,13 @@ from draftheads.heads import job
 from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import draft_sequence, feature_source, heldout_evaluator
+from draftheads.train.losses import SoftCrossEntropy, chunk_rows, chunked_sum, chunked_topk
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, make_accelerator,
                         reference_ranks, resolve_out_dir, save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 
-TARGET_CHUNK = 2048  # rows per chunk of the target's lm_head (bounds its [rows, V] logits)
-CE_CHUNK_ELEMENTS = 1 << 22  # elements per row chunk of the fused soft-CE (bounds its fp32 temporaries)
 HELDOUT_COVERAGE_WARN = 0.97  # warn below this share of held-out assistant tokens inside the draft vocabulary
-
-
-class SoftCrossEntropy(torch.autograd.Function):
-    """Σ_rows soft-CE(p, softmax(z)) = Σ_rows (lse(z)·Σp − p·z), fused and chunked over rows.
-
-    Why not log_softmax + product: on CPU that is ~8 full passes over an [n, DV] tensor per TTT step
-    (plus fp32 copies), which dominated the step time. Here: forward = one max, one exp, one dot per
-    row chunk; backward = grad · (softmax(z)·Σp − p), recomputed from z and the saved row lse. Also
-    returns argmax(z) [n] (non-differentiable) from the same max pass.
-    """
-
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        n = z.shape[0]
-        ctx.chunk = c = max(1, CE_CHUNK_ELEMENTS // max(1, z.shape[1]))
-        lse = torch.empty(n, dtype=torch.float32, device=z.device)
-        amax = torch.empty(n, dtype=torch.long, device=z.device)
-        total = torch.zeros((), dtype=torch.float64, device=z.device)
-        for i in range(0, n, c):
-            zf, pf = z[i:i + c].to(torch.float32, copy=True), p[i:i + c].float()  # zf is modified
-            dot = (pf * zf).sum(-1)
-            m, amax[i:i + c] = zf.max(-1)
-            lse[i:i + c] = l = zf.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
-            total += (l * pf.sum(-1) - dot).sum().double()
-        ctx.save_for_backward(z, p, lse)
-        ctx.mark_non_differentiable(amax)
-        return total.float(), amax
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor, _unused: Any) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        z, p, lse = ctx.saved_tensors
-        c = ctx.chunk
-        grad = torch.empty_like(z)
-        for i in range(0, z.shape[0], c):
-            pf = p[i:i + c].float()
-            q = z[i:i + c].to(torch.float32, copy=True).sub_(lse[i:i + c, None]).exp_()
-            q.mul_(pf.sum(-1, keepdim=True))
-            grad[i:i + c] = q.sub_(pf).mul_(g)
-        return grad, None
 
 
 class Eagle3Objective(nn.Module):
@@ -111,7 +71,6 @@ class Eagle3Objective(nn.Module):
         self.aux = list(draft.config.aux_layers)
         self.top = target.num_layers  # layer L: the target's logits are lm_head(f^L)
         self.layers = sorted(set(self.aux) | {self.top})  # what the features source must provide
-        self._split: tuple[torch.Tensor, ...] | None = None
 
     def num_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return shifted_valid(batch, 2).sum()
@@ -121,42 +80,38 @@ class Eagle3Objective(nn.Module):
         """Step-0 positions [B, T-1] and causal (per-document) mask [B, T-1, T-1] of the draft's sequence."""
         return draft_sequence(batch)
 
-    def _split_head(self) -> tuple[torch.Tensor, ...]:
-        """The target's lm_head rows split into draft-vocab rows [DV, H] and the rest [V-DV, H] (+ biases)."""
-        head = self.target.lm_head()
-        w, t2d = head.weight, self.draft.t2d.to(head.weight.device)
-        if self._split is None or self._split[0].device != w.device or self._split[0].dtype != w.dtype:
-            b = head.bias
-            self._split = (w[t2d], w[~t2d], None if b is None else b[t2d], None if b is None else b[~t2d])
-        return self._split
-
     @torch.no_grad()
     def target_info(self, top: torch.Tensor) -> dict[str, torch.Tensor]:
         """From the target's final-normed states [B, T, H]: its distribution restricted to the draft vocabulary and
         renormalized [B, T, DV] (target dtype), its full-vocab argmax as a draft id (-1 when outside the draft
-        vocab) [B, T], and its probability mass inside the draft vocab [B, T]."""
+        vocab) [B, T], and its probability mass inside the draft vocab [B, T]. The [rows, V] logits exist one row
+        chunk at a time (train.losses.chunk_rows), so their size does not grow with the vocabulary."""
         B, T, H = top.shape
-        w_in, w_out, b_in, b_out = self._split_head()
-        rows = top.reshape(B * T, H).to(w_in.dtype)
-        probs, amax, mass = [], [], []
-        for i in range(0, B * T, TARGET_CHUNK):
-            r = F.linear(rows[i:i + TARGET_CHUNK], w_in, b_in).float()  # [c, DV] logits at the draft-vocab ids
+        head = self.target.lm_head()
+        ids = self.draft.target_ids().to(head.weight.device)  # [DV] sorted target ids: draft id i = column ids[i]
+        rows = top.reshape(B * T, H).to(head.weight.dtype)
+        probs = torch.empty(B * T, ids.numel(), dtype=top.dtype, device=top.device)
+        amax = torch.empty(B * T, dtype=torch.long, device=top.device)
+        mass = torch.empty(B * T, dtype=torch.float32, device=top.device)
+        c = chunk_rows(head.weight.shape[0])
+        for i in range(0, B * T, c):
+            z = F.linear(rows[i:i + c], head.weight, head.bias).float()  # [c, V]
+            r = z.index_select(1, ids)  # [c, DV] logits at the draft-vocab ids
             m_in, a_in = r.max(-1)
             lse_in = torch.logsumexp(r, -1)
-            if w_out.shape[0]:
-                o = F.linear(rows[i:i + TARGET_CHUNK], w_out, b_out).float()  # [c, V-DV]
-                m_out, lse_out = o.max(-1).values, torch.logsumexp(o, -1)
-            else:  # DV = V
-                m_out = lse_out = torch.full_like(m_in, float("-inf"))
-            probs.append(torch.softmax(r, -1).to(top.dtype))
-            amax.append(torch.where(m_in >= m_out, a_in, -1))  # draft ids are sorted target ids: argmax order agrees
-            mass.append(torch.exp(lse_in - torch.logaddexp(lse_in, lse_out)))
-        return {"probs": torch.cat(probs).view(B, T, -1), "argmax": torch.cat(amax).view(B, T),
-                "mass": torch.cat(mass).view(B, T)}
+            probs[i:i + c] = torch.softmax(r, -1)
+            amax[i:i + c] = torch.where(m_in >= z.max(-1).values, a_in, -1)  # a tie with an OOV id: in-vocab wins
+            mass[i:i + c] = torch.exp(lse_in - torch.logsumexp(z, -1))
+        return {"probs": probs.view(B, T, -1), "argmax": amax.view(B, T), "mass": mass.view(B, T)}
 
-    def _step_ce(self, h: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Σ soft-CE, draft argmax) of one step's valid rows: h [n, H], target draft-vocab probabilities [n, DV]."""
-        return SoftCrossEntropy.apply(self.draft.logits(h), p)
+    def _chunk_ce(self, probs: torch.Tensor, argmax: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
+                  stats: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Σ soft-CE of a row chunk (h [c, H] draft outputs, rows [c] their rows of the target's draft-vocab
+        distribution probs [B·T, DV]); with ``stats`` also the count of draft argmax = target argmax ([1])."""
+        ce, pred = SoftCrossEntropy.apply(self.draft.logits(h), probs[rows])
+        if not stats:
+            return ce, None
+        return ce, (pred == argmax[rows]).sum().float().view(1)  # an OOV target argmax (-1) never hits
 
     def forward(self, batch: dict[str, torch.Tensor]):
         ids = batch["input_ids"]
@@ -168,6 +123,9 @@ class Eagle3Objective(nn.Module):
         pos, step0 = self.draft_inputs(batch)
         outs = self.draft.rollout(aux, tokens, pos, step0, k)  # k × [B, S, H]
         tgt = self.target_info(hidden[self.top])
+        # every step reads its rows of the one [B·T, DV] target distribution: no per-step copies of it are kept
+        chunk_ce = partial(self._chunk_ce, tgt["probs"].view(B * T, -1), tgt["argmax"].view(B * T))
+        flat = torch.arange(B * T, device=ids.device).view(B, T)
         loss = torch.zeros((), device=ids.device)
         stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for s in range(k):  # every step runs, even without labels: ZeRO-3/FSDP forwards are collective
@@ -175,16 +133,14 @@ class Eagle3Objective(nn.Module):
             valid = shifted_valid(batch, 2 + s) if m else ids.new_zeros(B, 0, dtype=torch.bool)  # [B, m]
             n = valid.sum().float()
             h = outs[s][:, :m][valid]  # [n, H]
-            p = tgt["probs"][:, 1 + s: 1 + s + m][valid]  # [n, DV] target distribution of x_{t+2+s}
-            if self.loss_checkpoint and torch.is_grad_enabled():  # keep [n, DV] logits out of the saved graph
-                ce, pred = checkpoint(self._step_ce, h, p, use_reentrant=False)
-            else:
-                ce, pred = self._step_ce(h, p)
+            rows = flat[:, 1 + s: 1 + s + m][valid]  # [n] rows of the target distribution of x_{t+2+s}
+            # loss_checkpoint: each row chunk's [c, DV] logits are recomputed in backward instead of kept
+            ce, hits = chunked_sum(chunk_ce, h, rows, vocab=self.draft.config.draft_vocab_size,
+                                   checkpoint=self.loss_checkpoint)
+            assert hits is not None
             loss = loss + (self.decay ** s) * ce
-            with torch.no_grad():
-                hits = (pred == tgt["argmax"][:, 1 + s: T - 1][valid]).sum().float()  # OOV argmax (-1) never hits
             stats[f"ce/s{s}"] = (ce.detach(), n)
-            stats[f"top1/s{s}"] = (hits, n)
+            stats[f"top1/s{s}"] = (hits[0], n)
             if s == 0:
                 stats["oov_argmax"] = ((tgt["argmax"][:, 1: T - 1][valid] < 0).sum().float(), n)
                 stats["vocab_mass"] = (tgt["mass"][:, 1: T - 1][valid].sum().float(), n)
@@ -213,8 +169,8 @@ class Eagle3Objective(nn.Module):
         for s in range(k):  # every step's lm_head runs on every rank, also for n = 0
             ref = ids[:, 2 + s: 2 + s + n_pos][win]  # [n] x_{t+2+s}
             ref_d = torch.where(self.draft.t2d[ref], draft_id_of[ref], -1)
-            logits = self.draft.logits(outs[s][:, :n_pos][win])  # [n, DV]
-            ranks.append(reference_ranks(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices, ref_d, top_k))
+            top = chunked_topk(outs[s][:, :n_pos][win], self.draft.logits, top_k, self.draft.config.draft_vocab_size)
+            ranks.append(reference_ranks(top, ref_d, top_k))
         return torch.stack(ranks, dim=1), considered
 
     def save_pretrained(self, path, extra: dict[str, Any]) -> None:

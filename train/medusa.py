@@ -7,11 +7,11 @@ head + summary). ``main(cfg)`` is a plain function; tests call it with a compose
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable
 
 from hydra.utils import instantiate
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
@@ -19,6 +19,7 @@ from draftheads.data_prep.dataset import collate, model_inputs, prepare_data, sh
 from draftheads.heads import job
 from draftheads.heads.medusa import MedusaHeads, medusa_config_for
 from draftheads.heads.target import FrozenTarget, load_target
+from draftheads.train.losses import chunked_sum, chunked_topk, cross_entropy_hits, vocab_of
 from draftheads.train.loop import (Trainer, build_tau_evaluator, lockstep_batches, make_accelerator, resolve_out_dir,
                         save_run_config, write_summary)
 
@@ -46,8 +47,6 @@ class MedusaObjective(nn.Module):
             hidden = batch["hidden_last"]
         else:
             hidden = self.target(**model_inputs(batch), logits=False)["last_hidden"]  # [B, T, H]
-        ids = batch["input_ids"]
-        T = ids.shape[1]
         loss = hidden.new_zeros((), dtype=torch.float32)
         stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for k in range(1, self.heads.config.num_heads + 1):
@@ -55,15 +54,25 @@ class MedusaObjective(nn.Module):
             # gradients and ZeRO-3/FSDP forwards are collective, so no rank may skip a head.
             h, labels = self._head_inputs(batch, hidden, k)
             n = labels.new_tensor(labels.numel(), dtype=torch.float32)
-            logits = self.heads.project(k - 1, self.heads.head_hidden(k - 1, h.to(torch.float32))).float()  # [n, V]
-            ce = F.cross_entropy(logits, labels, reduction="sum")
+            hk = self.heads.head_hidden(k - 1, h.to(torch.float32))  # [n, H]
+            # [rows, V] logits one row chunk at a time, recomputed in backward: never [n, V] per head
+            ce, hits = chunked_sum(partial(self._chunk_ce, k - 1), hk, labels, vocab=self.heads.config.vocab_size)
             loss = loss + (self.decay ** k) * ce
-            with torch.no_grad():
-                top5 = logits.topk(5, dim=-1).indices  # [n, 5]
-                stats[f"ce/{k}"] = (ce.detach(), n)
-                stats[f"top1/{k}"] = ((top5[:, 0] == labels).sum().float(), n)
-                stats[f"top5/{k}"] = ((top5 == labels[:, None]).any(-1).sum().float(), n)
+            assert hits is not None
+            stats[f"ce/{k}"] = (ce.detach(), n)
+            stats[f"top1/{k}"] = (hits[0], n)
+            stats[f"top5/{k}"] = (hits[1], n)
         return loss, stats
+
+    def _chunk_ce(self, k: int, h: torch.Tensor, labels: torch.Tensor, stats: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Σ CE of head k (0-based) over a row chunk h [rows, H] (+ top-1/top-5 hit counts): train.losses."""
+        return cross_entropy_hits(self.heads.project(k, h), labels, 5, stats)
+
+    def _topk(self, k: int, h: torch.Tensor, top_k: int) -> torch.Tensor:
+        """Head k's (0-based) top-k ids [n, top_k] at hidden states h [n, H], without [n, V] logits."""
+        return chunked_topk(self.heads.head_hidden(k, h), partial(self.heads.project, k), top_k,
+                            self.heads.config.vocab_size)
 
     @staticmethod
     def _head_inputs(batch: dict[str, torch.Tensor], hidden: torch.Tensor, k: int
@@ -88,7 +97,7 @@ class MedusaObjective(nn.Module):
         B, T = ids.shape
         K = self.heads.config.num_heads
         lm = self.target.lm_head()
-        greedy = torch.stack([lm(hidden[i]).argmax(-1) for i in range(B)])  # [B, T]: prediction of token t+1
+        greedy = chunked_topk(hidden.reshape(B * T, -1), lm, 1, vocab_of(lm)).view(B, T)  # prediction of token t+1
         nxt = shifted_valid(batch, 1)  # [B, T-1]: token t+1 is an assistant token
         follows = nxt & (ids[:, 1:] == greedy[:, :-1])  # [B, T-1]
         W = K + 1
@@ -98,7 +107,7 @@ class MedusaObjective(nn.Module):
         ranks = []
         for k in range(1, K + 1):  # all heads run on every rank (collective under ZeRO-3/FSDP)
             labels = ids[:, k + 1: k + 1 + n_pos][win]  # [n]
-            top = self.heads.project(k - 1, self.heads.head_hidden(k - 1, h)).topk(top_k, dim=-1).indices  # [n, top_k]
+            top = self._topk(k - 1, h, top_k)  # [n, top_k]
             hit = top == labels[:, None]
             ranks.append(torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, top_k)))
         return torch.stack(ranks, dim=1), int(nxt.sum())
@@ -122,8 +131,7 @@ class MedusaObjective(nn.Module):
         n = torch.zeros(K)
         for k in range(1, K + 1):
             h, labels = self._head_inputs(batch, hidden, k)
-            logits = self.heads.project(k - 1, self.heads.head_hidden(k - 1, h.to(torch.float32)))
-            top = logits.topk(top_k, dim=-1).indices  # [n, top_k]
+            top = self._topk(k - 1, h.to(torch.float32), top_k)  # [n, top_k]
             hits[k - 1] += (top == labels[:, None]).sum(0).float().cpu()
             n[k - 1] += labels.numel()
         return hits, n

@@ -23,10 +23,12 @@ def greedy_windows(batch: dict[str, torch.Tensor], top_hidden: torch.Tensor, lm_
     as the step's root and t+2 .. t+width checked against draft depths 1 .. width-1. Considered: positions whose
     next token is an assistant token (the coverage denominator)."""
     from draftheads.data_prep.dataset import shifted_valid
+    from draftheads.train.losses import chunked_topk, vocab_of
 
     ids = batch["input_ids"]
     B, T = ids.shape
-    greedy = torch.stack([lm_head(top_hidden[i]).argmax(-1) for i in range(B)])  # [B, T]: token t+1 (row by row)
+    # [B, T]: token t+1, one row chunk of [rows, V] logits at a time
+    greedy = chunked_topk(top_hidden.reshape(B * T, -1), lm_head, 1, vocab_of(lm_head)).view(B, T)
     nxt = shifted_valid(batch, 1)  # [B, T-1]: token t+1 is an assistant token
     follows = nxt & (ids[:, 1:] == greedy[:, :-1])  # [B, T-1]: ... and the target's greedy choice
     n_pos = max(T - width, 0)
