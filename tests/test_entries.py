@@ -35,6 +35,7 @@ NOT_WRAPPED = {
     "scripts/bench_ceiling_procs.py": "benchmark; turns its ValueError into one 'error:' line itself (exit 1)",
     "scripts/bench_distill.py": "benchmark (argparse only); not wrapped yet",
     "scripts/bench_draft.py": "benchmark; not wrapped yet (a bad --steps ends in a ValueError traceback)",
+    "scripts/bench_memory.py": "benchmark (argparse only); each cell runs a real training entry in a child process",
 }
 
 # One representative user error per wrapped entry: arguments, and what its one error line must say. {tmp} is a
