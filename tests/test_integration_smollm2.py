@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPO, compose
+from conftest import REPO, assert_tau_accounts_for_tokens, compose, deepest_draft
 
 
 @pytest.mark.slow
@@ -41,21 +41,27 @@ def test_smollm2_prepare_train_eval(tmp_path):
                             "tree.size=16"])
     res = eval_main(ecfg)
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 2
-    assert res["summary"]["tau"] >= 1.0
+    assert_tau_accounts_for_tokens(res["summary"]["tau"], res["rows"], deepest_draft(res["drafter"]))
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_decode_attention_benchmark_times_both_kernels_on_real_prompts(tmp_path):
+def test_decode_attention_benchmark_times_both_kernels_on_real_prompts(tmp_path, monkeypatch):
+    """Both attention kernels decode the same real prompts; with the script's clock replaced (sdpa's timed batch
+    takes 2 s, eager's 1 s) its figures are known: 3 prompts x 4 new tokens = 12 tokens, so 6 and 12 tokens/s, and
+    eager is 2x faster. Timing itself is the benchmark's job, not a test's."""
+    from types import SimpleNamespace
+
     from draftheads.scripts import bench_decode_attn
 
+    ticks = iter([0.0, 2.0, 10.0, 11.0])  # start/end of sdpa's timed batch, then of eager's
+    monkeypatch.setattr(bench_decode_attn, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     out = tmp_path / "decode_attn.json"
     res = bench_decode_attn.main(["--device", "cpu", "--dtype", "fp32", "--batch", "3", "--new", "4",
                                   "--out", str(out)])
     assert json.loads(out.read_text()) == res
-    assert set(res["tokens_per_s"]) == {"sdpa", "eager"} and all(v > 0 for v in res["tokens_per_s"].values())
-    assert res["faster"] == max(res["tokens_per_s"], key=res["tokens_per_s"].get)
-    assert res["eager_speedup"] == pytest.approx(res["tokens_per_s"]["eager"] / res["tokens_per_s"]["sdpa"], rel=1e-2)
+    assert res["tokens_per_s"] == {"sdpa": 6.0, "eager": 12.0}
+    assert res["faster"] == "eager" and res["eager_speedup"] == 2.0
 
 
 ZOO_HEADS = sorted(p for p in (REPO / "zoo").iterdir() if p.is_dir()) if (REPO / "zoo").is_dir() else []

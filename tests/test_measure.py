@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose
+from conftest import assert_tau_accounts_for_tokens, compose
 from draftheads.eval.measure import main
 from draftheads.eval.measure_summary import depth_stats, formula_tau
 
@@ -57,7 +57,15 @@ def test_measure_job_end_to_end(tiny_target_dir, tmp_path):
         assert plain["tau"] == 1.0 and plain["depth"]["accept_at_depth"] == []
         assert block["speedup_vs_plain"]["plain"]["overall"] == 1.0
         for name, s in block["methods"].items():
-            assert s["tau"] >= 1.0 and s["tokens_per_s"] > 0 and s["new_tokens"] > 0, (sname, name)
+            assert s["tokens_per_s"] > 0 and s["new_tokens"] > 0, (sname, name)
+            rows = [r for r in saved["rows"] if r["method"] == name and r["setting"] == sname]
+            assert len(rows) == 4 and sum(r["new_tokens"] for r in rows) == s["new_tokens"], (sname, name)
+            if name in ("plain", "hf_plain"):  # nothing drafted: one token per forward
+                assert s["tau"] == 1.0, (sname, name)
+            elif name == "hf_prompt_lookup":  # transformers' loop: new tokens after the prefill's per forward
+                assert s["tau"] == round(sum(r["new_tokens"] - 1 for r in rows) / sum(r["steps"] for r in rows), 4)
+            else:
+                assert_tau_accounts_for_tokens(s["tau"], rows)
             assert set(s["per_category"]) == {"copy", "open"}
             assert s["target_ms_per_step"] > 0 and s["bookkeeping_ms_per_step"] >= 0
             d = s["depth"]
@@ -79,9 +87,11 @@ def test_measure_job_end_to_end(tiny_target_dir, tmp_path):
     assert [p["width"] for p in prof["points"]] == [1, 4, 16] and prof["t1_ms"] > 0
     sw = saved["sweep"]
     assert [p["size"] for p in sw["medusa-init"]] == [4, 8] and [p["size"] for p in sw["prompt_lookup"]] == [2, 4]
-    for series in (sw["medusa-init"], sw["prompt_lookup"], sw["draft_model"]):
-        for p in series:
-            assert p["tau"] >= 1.0 and p["modeled_speedup"] > 0 and p["measured_speedup"] > 0
+    for name, depth in (("medusa-init", 2), ("prompt_lookup", None), ("draft_model", None)):
+        for p in sw[name]:  # no step accepts more than the tree is deep: 2 heads, or a chain of size - 1 drafts
+            assert 1.0 <= p["tau"] <= 1 + (depth or p["size"] - 1), (name, p)
+            assert p["modeled_speedup"] > 0 and p["measured_speedup"] > 0
+    assert [p["mean_tree_size"] for p in sw["medusa-init"]] == [4.0, 8.0]  # static trees: every step the full size
     assert saved["headline"]["best"] == "medusa" and saved["headline"]["trained"]  # the only checkpointed head
     assert saved["methods"]["medusa"]["kind"] == "medusa" and saved["methods"]["medusa"]["checkpoint"] == str(head)
     assert [p["size"] for p in sw["medusa"]] == [4, 8]
@@ -141,7 +151,7 @@ def test_measure_job_chooses_trees_with_tree_auto(tiny_target_dir, chat_file, tm
         assert c["measured_speedup"] == g["speedup_vs_plain"][name]["overall"] and c["measured_tau"] == g["methods"][name]["tau"]
         assert c["measured_over_modeled"] == pytest.approx(c["measured_speedup"] / c["chosen"]["modeled_speedup"], rel=1e-3)
         assert c["calibration"]["source"] != str(qfile) and c["profile"]["t1_ms"] > 0
-        assert g["greedy_identical"][name]["identical"] == g["greedy_identical"][name]["comparable_turns"]
+        assert g["greedy_identical"][name]["identical"] == g["greedy_identical"][name]["comparable_turns"] == 4
     # the job's profile stops at 16 tokens, short of the widest tree considered: the cached full profile is used
     assert tc["medusa-init"]["profile"]["cache"]["path"].startswith(str(cache_env))
     md = (out / "report.md").read_text()

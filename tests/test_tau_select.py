@@ -306,7 +306,13 @@ def test_smollm2_eagle3_best_is_what_the_eval_job_measures(tmp_path):
         "optim.warmup_steps=0", "train.tau_eval.every=2", "train.tau_eval.evaluator.prompts=2",
         "train.tau_eval.evaluator.max_new_tokens=24"]))
     taus = _taus(out)
-    assert sorted(taus) == [2, 4] and all(t >= 1.0 for t in taus.values())
+    assert sorted(taus) == [2, 4]
+    for r in (r for r in _rows(out) if "tau_eval/tau" in r):  # each τ accounts for its acceptance and its tokens
+        depth = sum(k.startswith("tau_eval/accept@") for k in r)
+        assert depth >= 1 and r["tau_eval/tau"] == pytest.approx(
+            1 + sum(r[f"tau_eval/accept@{d}"] for d in range(1, depth + 1)), abs=2e-3), r  # E[acc] = sum P(acc >= d)
+        emitted = r["tau_eval/turns"] + r["tau_eval/tau"] * r["tau_eval/steps"]  # first tokens + accepted + 1 per step
+        assert emitted - r["tau_eval/turns"] * depth - 0.01 <= r["tau_eval/new_tokens"] <= emitted + 0.01, r
     info = json.loads((out / "best" / "best.json").read_text())
     assert summary["tau_best"] == {"step": info["step"], "tau": info["tau"]} and info["tau"] == max(taus.values())
     heldout_q = next((tmp_path / "data").rglob("heldout_questions.jsonl"))
