@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def ttt_dense_mask(step0: torch.Tensor, step: int) -> torch.Tensor:
@@ -38,6 +39,9 @@ def _softmax(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
 
 
+BLOCK_SCORES = 1 << 25  # attention scores per query block (128 MiB fp32): longer sequences run block by block
+
+
 def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                   step0: torch.Tensor, scaling: float, *, softcap: float | None = None,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,24 +53,46 @@ def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequenc
     their concatenation; memory O(S² + s·S) per head instead of O(s·S²). Returns [B, nh, S, d].
     ``softcap`` (Gemma 2) and ``sinks`` [nh] (gpt-oss) as the family's own attention applies them, so the rollout
     trains what the drafter's forward computes.
+
+    Long sequences: when B·nh·S² scores pass ``BLOCK_SCORES`` the queries run in row blocks, each under
+    ``torch.utils.checkpoint`` while training, so what a step keeps for backward is its q, k, v (O(S·d)), not its
+    [S, S] probabilities (at S = 8,192 those were ~2.4 GB per step and head group; seven TTT steps passed 18 GB).
     """
     B, nh, S, d = q.shape
+    rows = max(1, BLOCK_SCORES // max(1, B * nh * S))
+    if rows >= S:
+        return _ttt_block(q, keys, values, step0, 0, scaling, softcap, sinks)
+    ckpt = torch.is_grad_enabled() and (q.requires_grad or any(k.requires_grad for k in keys))
+    out = []
+    for i in range(0, S, rows):
+        args = (q[:, :, i:i + rows], keys, values, step0, i, scaling, softcap, sinks)
+        out.append(checkpoint(_ttt_block, *args, use_reentrant=False) if ckpt else _ttt_block(*args))
+    return torch.cat(out, dim=2)
+
+
+def _ttt_block(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], step0: torch.Tensor,
+               start: int, scaling: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``ttt_attention`` for the query rows start .. start + R (q [B, nh, R, d]): all step-0 keys, and the keys of
+    steps 1..s at the same R positions. Returns [B, nh, R, d]."""
+    B, nh, R, d = q.shape
+    S = keys[0].shape[2]
     nkv = keys[0].shape[1]
     g = nh // nkv
-    qg = q.view(B, nkv, g, S, d)
+    qg = q.reshape(B, nkv, g, R, d)
     sk = None if sinks is None else sinks.view(1, nkv, g, 1, 1)  # head h = kv group h // g, as repeat_kv orders them
-    s0 = _capped(torch.einsum("bkgsd,bktd->bkgst", qg, keys[0]).float() * scaling, softcap)  # [B, nkv, g, S, S]
-    s0 = s0.masked_fill(~step0[:, None, None], float("-inf"))
+    s0 = _capped(torch.einsum("bkgsd,bktd->bkgst", qg, keys[0]).float() * scaling, softcap)  # [B, nkv, g, R, S]
+    s0 = s0.masked_fill(~step0[:, None, None, start:start + R], float("-inf"))
     if len(keys) > 1:
-        diag = torch.stack([(qg * k[:, :, None]).sum(-1) for k in keys[1:]], dim=-1).float() * scaling  # [.., S, s]
+        diag = torch.stack([(qg * k[:, :, None, start:start + R]).sum(-1) for k in keys[1:]],
+                           dim=-1).float() * scaling  # [B, nkv, g, R, s]
         p = _softmax(torch.cat([s0, _capped(diag, softcap)], dim=-1), sk).to(q.dtype)
         out = torch.einsum("bkgst,bktd->bkgsd", p[..., :S], values[0])
         for j, v in enumerate(values[1:]):
-            out = out + p[..., S + j, None] * v[:, :, None]  # [B, nkv, g, S, d]
+            out = out + p[..., S + j, None] * v[:, :, None, start:start + R]  # [B, nkv, g, R, d]
     else:
         p = _softmax(s0, sk).to(q.dtype)
         out = torch.einsum("bkgst,bktd->bkgsd", p, values[0])
-    return out.reshape(B, nh, S, d)
+    return out.reshape(B, nh, R, d)
 
 
 def ttt_attention_dense(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],

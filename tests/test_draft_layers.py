@@ -38,8 +38,13 @@ def _eager_reference(q, keys, values, step0, scaling, softcap, sinks):
     return (p[..., :-1] if sinks is not None else p) @ V
 
 
-def test_ttt_attention_with_softcap_and_sinks_equals_dense_and_eager():
+@pytest.mark.parametrize("blocks", [False, True])
+def test_ttt_attention_with_softcap_and_sinks_equals_dense_and_eager(blocks, monkeypatch):
     q, keys, values, step0, sinks = _inputs()
+    if blocks:  # query row blocks of one row, as long sequences run
+        import draftheads.heads.eagle3_ttt as ttt
+
+        monkeypatch.setattr(ttt, "BLOCK_SCORES", q.shape[0] * q.shape[1] * q.shape[2])
     for softcap, sk in ((None, None), (2.0, None), (None, sinks), (2.0, sinks)):
         for s in range(1, len(keys) + 1):
             block = ttt_attention(q, keys[:s], values[:s], step0, 0.3, softcap=softcap, sinks=sk)

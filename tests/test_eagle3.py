@@ -70,8 +70,14 @@ def test_ttt_mask_equals_hand_built_reference():
                                                            [0, 0, 1, 1, 0, 0, 0, 1]]
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("S,steps", [(1, 3), (5, 1), (7, 4)])
-def test_block_attention_equals_dense_reference_values_and_grads(S, steps):
+def test_block_attention_equals_dense_reference_values_and_grads(S, steps, blocks, monkeypatch):
+    """Also in query row blocks of 2 (what sequences of thousands of tokens get; checkpointed under grad)."""
+    if blocks:
+        import draftheads.heads.eagle3_ttt as ttt
+
+        monkeypatch.setattr(ttt, "BLOCK_SCORES", 2 * 2 * 4 * S)  # B·nh·S scores per row: 2 rows per block
     g = torch.Generator().manual_seed(S * 10 + steps)
     B, nkv, grp, d = 2, 2, 2, 8
     q = torch.randn(B, nkv * grp, S, d, generator=g, requires_grad=True)
