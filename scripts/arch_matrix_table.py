@@ -112,7 +112,9 @@ def render(data: dict[str, Any]) -> str:
         "`train/medusa.py` and `train/eagle.py` take the same arguments (`draftheads train eagle3 ...` is the same "
         "command). Gemma 2 and gpt-oss have no sdpa attention in transformers: add "
         "`target.attn_implementation=eager`. Then `python eval/acceptance.py checkpoint=runs/<run>/final "
-        "target=hf target.name=/path/to/model` checks greedy identity and measures τ on your prompts.",
+        "target=hf target.name=/path/to/model` checks greedy identity and measures τ on your prompts. A GGUF file is "
+        "a target too, `target.name=/path/to/model.gguf` (converted once and cached; chat templates and the embedded "
+        "targets: [targets.md](targets.md)).",
         "",
         "## What passes",
         "",
