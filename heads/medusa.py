@@ -80,6 +80,10 @@ class MedusaHeads(nn.Module):
         """Hidden state of head k (0-based) after its residual blocks: [.., H] -> [.., H]."""
         return self.blocks[k](hidden)
 
+    def shared_projection(self) -> nn.Module | None:
+        """The target's frozen lm_head when every head shares it (training's fused loss uses it), else None."""
+        return self._shared_lm_head if self.lm_heads is None else None
+
     def project(self, k: int, h: torch.Tensor) -> torch.Tensor:
         """Logits of head k (0-based) from its hidden state: [.., H] -> [.., V]."""
         if self.lm_heads is None:

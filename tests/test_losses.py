@@ -136,3 +136,28 @@ def test_chunked_topk_and_empty_inputs():
                                     h[:0], torch.zeros(0, dtype=torch.long), vocab=50)
     loss.backward()
     assert loss.item() == 0 and hits.tolist() == [0, 0] and lin.weight.grad is not None
+
+
+def test_fused_linear_cross_entropy_through_a_frozen_projection(monkeypatch):
+    """The shared-lm_head Medusa path: loss, hit counts and grad_h equal the plain [n, V] computation, in one chunk
+    and in chunks of 3 rows; a trainable projection is left to the checkpointed chunks (None)."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(8, 50).requires_grad_(False)
+    labels = torch.randint(0, 50, (23,))
+    h0 = torch.randn(23, 8)
+    z = proj(h0)
+    ref = F.cross_entropy(z, labels, reduction="sum")
+    top = z.topk(5, -1).indices
+    ref_hits = [float((top[:, 0] == labels).sum()), float((top == labels[:, None]).any(-1).sum())]
+    g_ref = torch.autograd.grad(F.cross_entropy(proj(h0.requires_grad_()), labels, reduction="sum") * 0.7, h0)[0]
+    for elements in (1 << 30, 3 * 50):
+        monkeypatch.setattr(losses, "CHUNK_ELEMENTS", elements)
+        h = h0.detach().clone().requires_grad_()
+        loss, hits = losses.linear_cross_entropy(h, proj, labels)
+        (loss * 0.7).backward()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5) and hits.tolist() == ref_hits
+        torch.testing.assert_close(h.grad, g_ref, rtol=1e-5, atol=1e-6)
+    assert losses.linear_cross_entropy(h0, torch.nn.Linear(8, 50), labels) is None  # trainable weight
+    with torch.no_grad():  # evaluation: no gradient is computed or kept
+        loss, hits = losses.linear_cross_entropy(h0.requires_grad_(), proj, labels)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5) and not loss.requires_grad

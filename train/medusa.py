@@ -19,7 +19,7 @@ from draftheads.data_prep.dataset import collate, model_inputs, prepare_data, sh
 from draftheads.heads import job
 from draftheads.heads.medusa import MedusaHeads, medusa_config_for
 from draftheads.heads.target import FrozenTarget, load_target
-from draftheads.train.losses import chunked_sum, chunked_topk, cross_entropy_hits, vocab_of
+from draftheads.train.losses import chunked_sum, chunked_topk, cross_entropy_hits, linear_cross_entropy, vocab_of
 from draftheads.train.loop import (Trainer, build_tau_evaluator, lockstep_batches, make_accelerator, resolve_out_dir,
                         save_run_config, write_summary)
 
@@ -55,8 +55,11 @@ class MedusaObjective(nn.Module):
             h, labels = self._head_inputs(batch, hidden, k)
             n = labels.new_tensor(labels.numel(), dtype=torch.float32)
             hk = self.heads.head_hidden(k - 1, h.to(torch.float32))  # [n, H]
-            # [rows, V] logits one row chunk at a time, recomputed in backward: never [n, V] per head
-            ce, hits = chunked_sum(partial(self._chunk_ce, k - 1), hk, labels, vocab=self.heads.config.vocab_size)
+            # [rows, V] logits one row chunk at a time, never [n, V] per head: through the shared frozen lm_head the
+            # gradient is taken with the loss; a head's own lm_head recomputes its chunks in backward
+            fused = linear_cross_entropy(hk, self.heads.shared_projection(), labels, 5)
+            ce, hits = fused if fused is not None else chunked_sum(partial(self._chunk_ce, k - 1), hk, labels,
+                                                                   vocab=self.heads.config.vocab_size)
             loss = loss + (self.decay ** k) * ce
             assert hits is not None
             stats[f"ce/{k}"] = (ce.detach(), n)
