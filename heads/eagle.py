@@ -192,9 +192,18 @@ class EagleDraft(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[.., H] predicted features -> [.., V] through the target's frozen (norm +) lm_head."""
+        return self._lm_head(self.lm_head_input(h))
+
+    def lm_head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What the frozen lm_head reads for predicted features h [.., H]: the target's final norm applied when the
+        feature layer is below the top, in the lm_head's dtype (training's fused loss projects it itself)."""
         if self._final_norm is not None:
             h = self._final_norm(h.to(self._lm_head.weight.dtype))
-        return self._lm_head(h.to(self._lm_head.weight.dtype))
+        return h.to(self._lm_head.weight.dtype)
+
+    def frozen_lm_head(self) -> nn.Module:
+        """The target's lm_head the draft projects through (frozen; never trained or saved with the draft)."""
+        return self._lm_head
 
     # ------------------------------------------------------------------ checkpoints
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

@@ -57,6 +57,7 @@ def _several(vocab):
 
 def test_medusa_chunks_equal_the_plain_loss(target, batch, monkeypatch):
     from draftheads.heads.medusa import MedusaHeads, medusa_config_for
+    import draftheads.train.medusa as train_medusa
     from draftheads.train.medusa import MedusaObjective
 
     torch.manual_seed(0)
@@ -67,6 +68,10 @@ def test_medusa_chunks_equal_the_plain_loss(target, batch, monkeypatch):
         obj = MedusaObjective(heads, target)
         one = _grads(obj, batch, 1 << 30, monkeypatch)
         _same(_grads(obj, batch, _several(V), monkeypatch), one)
+        if share:  # fused through the shared lm_head; the checkpointed chunks give the same numbers
+            with monkeypatch.context() as m:
+                m.setattr(train_medusa, "linear_cross_entropy", lambda *a, **k: None)
+                _same(_grads(obj, batch, _several(V), monkeypatch), one)
         # the plain computation: [n, V] logits per head, as the objective computed them before chunking
         hidden = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         logits=False)["last_hidden"]
@@ -83,10 +88,15 @@ def test_eagle_chunks_equal_the_plain_loss(target, batch, monkeypatch):
     from draftheads.heads.eagle import EagleDraft, eagle_config_for
     from draftheads.train.eagle import EagleObjective
 
+    import draftheads.train.eagle as train_eagle
+
     torch.manual_seed(0)
     obj = EagleObjective(EagleDraft(eagle_config_for(target), target), target, noise="none")
-    one = _grads(obj, batch, 1 << 30, monkeypatch)
+    one = _grads(obj, batch, 1 << 30, monkeypatch)  # the fused loss through the frozen lm_head
     _same(_grads(obj, batch, _several(V), monkeypatch), one)
+    with monkeypatch.context() as m:  # the checkpointed chunks a sharded lm_head falls back to: the same numbers
+        m.setattr(train_eagle, "linear_cross_entropy", lambda *a, **k: None)
+        _same(_grads(obj, batch, _several(V), monkeypatch), one)
     # the plain computation: log_softmax over [n, V] draft logits against the target's full softmax
     hidden = {l: h for l, h in target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                       layers=obj.layers, logits=False)["hidden"].items()}

@@ -28,7 +28,7 @@ from draftheads.heads import job
 from draftheads.heads.eagle import EagleDraft, eagle_config_for
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import draft_sequence, feature_source, heldout_evaluator
-from draftheads.train.losses import SoftCrossEntropy, chunked_sum, chunked_topk
+from draftheads.train.losses import SoftCrossEntropy, chunked_sum, chunked_topk, linear_cross_entropy
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accelerator, reference_ranks,
                         resolve_out_dir, save_run_config, write_summary)
 
@@ -96,8 +96,17 @@ class EagleObjective(nn.Module):
         n = valid.sum().float()
         feat = F.smooth_l1_loss(p.float(), tf.float(), reduction="none").mean(-1).sum()  # Σ_t mean_H
         labels = batch["input_ids"][:, 2:][valid]  # [n] x_{t+2}
-        # draft and target [rows, V] logits one row chunk at a time (recomputed in backward): never [n, V]
-        ce, hits = chunked_sum(self._chunk_ce, p, tl, labels, vocab=self.draft.config.vocab_size)
+        # draft and target [rows, V] logits one row chunk at a time, never [n, V]: through the frozen lm_head the
+        # gradient is taken with the loss (no recomputation); otherwise the chunks are recomputed in backward
+        head, tdtype = self.target.lm_head(), self.target.dtype
+
+        def target_probs(i: int, j: int) -> torch.Tensor:  # [j - i, V] the target's next-token distribution
+            return torch.softmax(head(tl[i:j].to(tdtype)).float(), dim=-1)
+
+        fused = linear_cross_entropy(self.draft.lm_head_input(p), self.draft.frozen_lm_head(), labels, 5,
+                                     target_probs)
+        ce, hits = fused if fused is not None else chunked_sum(self._chunk_ce, p, tl, labels,
+                                                               vocab=self.draft.config.vocab_size)
         assert hits is not None
         loss = self.w_feat * feat + self.w_tok * ce
         stats = {"feat": (feat.detach(), n), "ce": (ce.detach(), n), "top1/target": (hits[0], n),

@@ -86,42 +86,57 @@ def cross_entropy_hits(z: torch.Tensor, labels: torch.Tensor, top_k: int = 5, st
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """Σ CE(h·Wᵀ + b, labels) over row chunks for a *frozen* projection W [V, H], with its gradient taken in the
-    forward: each chunk's [rows, V] logits give the loss, the hit counts and grad_h = (softmax − onehot)·W at once,
+    """Σ CE(h·Wᵀ + b, y) over row chunks for a *frozen* projection W [V, H], with its gradient taken in the
+    forward: each chunk's [rows, V] logits give the loss, the hit counts and grad_h = (softmax·Σt − t)·W at once,
     and only grad_h [n, H] is kept. The same two matmuls as the plain loss (no recomputation, unlike
-    ``chunked_sum``'s checkpointing, ~1.45x slower on a Medusa step) and O(n·H) memory. Returns (Σ loss, counts
-    [top-1 hits, top-k hits]); the loss's gradient flows to h only (W, b get none)."""
+    ``chunked_sum``'s checkpointing, which made a Medusa step ~1.45x slower) and O(n·H) memory; the gradient flows
+    to h only. y: hard ``labels`` [n], or soft targets from ``target_probs(i, j)`` -> [j - i, V] fp32 rows (no
+    grad; then ``labels`` only count hits). Counts: hard [top-1 = y, y in top-k]; soft [top-1 = target argmax,
+    target argmax in top-k, top-1 = label]."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                top_k: int, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+                top_k: int, need_grad: bool, target_probs: Callable[[int, int], torch.Tensor] | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         n, V = h.shape[0], weight.shape[0]
         rows = chunk_rows(V)
         grad = torch.empty_like(h) if need_grad else h.new_zeros(0)
         total = torch.zeros((), dtype=torch.float64, device=h.device)
-        hits = torch.zeros(2, dtype=torch.float32, device=h.device)
+        hits = torch.zeros(2 if target_probs is None else 3, dtype=torch.float32, device=h.device)
         for i in range(0, n, rows):
             z = F.linear(h[i:i + rows].to(weight.dtype), weight, bias).float()  # [r, V]
             y = labels[i:i + rows]
             top = z.topk(min(top_k, V), dim=-1).indices  # [r, k]
-            hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(-1).sum()]).float()
-            lse = torch.logsumexp(z, dim=-1)
-            total += (lse - z.gather(1, y[:, None])[:, 0]).sum().double()
+            lse = torch.logsumexp(z, dim=-1)  # [r]
+            if target_probs is None:
+                hits += torch.stack([(top[:, 0] == y).sum(), (top == y[:, None]).any(-1).sum()]).float()
+                total += (lse - z.gather(1, y[:, None])[:, 0]).sum().double()
+            else:
+                t = target_probs(i, i + rows)  # [r, V]
+                amax = t.argmax(-1)
+                hits += torch.stack([(top[:, 0] == amax).sum(), (top == amax[:, None]).any(-1).sum(),
+                                     (top[:, 0] == y).sum()]).float()
+                mass = t.sum(-1)
+                total += (lse * mass - (t * z).sum(-1)).sum().double()
             if need_grad:
                 g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                g[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                if target_probs is None:
+                    g[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                else:
+                    g.mul_(mass[:, None]).sub_(t)
                 grad[i:i + rows] = (g.to(weight.dtype) @ weight).to(h.dtype)  # [r, H]
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
         return total.float(), hits
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor, _unused: Any) -> tuple[torch.Tensor, None, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor, _unused: Any) -> tuple[Any, ...]:  # type: ignore[override]
         (grad,) = ctx.saved_tensors
-        return grad * g, None, None, None, None, None
+        return grad * g, None, None, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, proj: Any, labels: torch.Tensor, top_k: int = 5,
+                         target_probs: Callable[[int, int], torch.Tensor] | None = None,
                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``LinearCrossEntropy`` through the frozen linear ``proj`` when its weight is a whole, plain, frozen tensor;
     None otherwise (trainable, or sharded by ZeRO-3/FSDP: the caller's checkpointed chunks run the module)."""
@@ -131,7 +146,7 @@ def linear_cross_entropy(h: torch.Tensor, proj: Any, labels: torch.Tensor, top_k
         return None
     need = torch.is_grad_enabled() and h.requires_grad
     return LinearCrossEntropy.apply(h, w.detach(), None if proj.bias is None else proj.bias.detach(), labels, top_k,
-                                    need)
+                                    need, target_probs)
 
 
 class SoftCrossEntropy(torch.autograd.Function):
