@@ -63,6 +63,7 @@ def ttt_attention(q: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequenc
     if rows >= S:
         return _ttt_block(q, keys, values, step0, 0, scaling, softcap, sinks)
     ckpt = torch.is_grad_enabled() and (q.requires_grad or any(k.requires_grad for k in keys))
+    keys, values = tuple(keys), tuple(values)  # snapshots: the rollout appends to its lists before backward recomputes
     out = []
     for i in range(0, S, rows):
         args = (q[:, :, i:i + rows], keys, values, step0, i, scaling, softcap, sinks)

@@ -95,6 +95,37 @@ def test_block_attention_equals_dense_reference_values_and_grads(S, steps, block
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def test_rollout_in_query_blocks_equals_dense_rollout_with_gradients(monkeypatch):
+    """The rollout as long sequences run it (TTT attention in checkpointed row blocks, here of 3 rows) computes the
+    dense rollout's outputs and parameter gradients: every block's backward recomputes with the keys of its own
+    step, although the rollout has appended later steps' keys by then."""
+    import draftheads.heads.eagle3_ttt as ttt
+
+    tgt = from_model(tiny_model("llama", vocab_size=128, seed=2))
+    d = _draft(tgt, dv=40, scale=0.3)
+    S, k = 11, 3
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, S, 3 * tgt.hidden_size, generator=g)
+    tokens = torch.randint(0, 128, (1, S + k - 1), generator=g)
+    step0, pos = torch.ones(S, S, dtype=torch.bool).tril()[None], torch.arange(S)[None]
+    params = [p for p in d.parameters() if p.requires_grad]
+    w = [torch.randn(1, S, tgt.hidden_size, generator=g) for _ in range(k)]
+
+    def run(dense: bool):
+        outs = d.rollout(aux, tokens, pos, step0, k, dense=dense)
+        return outs, torch.autograd.grad(sum((o * w_).sum() for o, w_ in zip(outs, w)), params, allow_unused=True)
+
+    ref, g_ref = run(dense=True)
+    n_heads = d.layers[0].self_attn.config.num_attention_heads
+    monkeypatch.setattr(ttt, "BLOCK_SCORES", 3 * n_heads * S)  # 3 query rows per block
+    got, g_got = run(dense=False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    for a, b in zip(g_got, g_ref):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()) + 1e-8)
+
+
 def test_rollout_equals_dense_rollout_and_drafting_along_a_chain():
     """Training-time test == what the drafter computes: step s at the last prompt position t reads the draft's
     step s-1 output with token x_{t+1+s} at position t+s, attending to the committed prefix and its own chain —
