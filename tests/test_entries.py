@@ -55,6 +55,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "scripts/export.py": (["format=onnx"], "error: format must be one of ('speculators', 'sglang'), got 'onnx'"),
     "scripts/publish.py": (["checkpoint={tmp}/nope"], "error: head checkpoint {tmp}/nope does not exist"),
     "scripts/compare.py": (["{tmp}/nope.json"], "error: [Errno 2] No such file or directory: '{tmp}/nope.json'"),
+    "scripts/bench_loss.py": (["--batch", "0"], "error: --batch, --repeats must be >= 1 and --length >= 3, got 0, 4, 512"),
     "scripts/paired_tau.py": (["a", "b"], "error: expected RUN:METHOD (e.g. runs/measure/x:eagle)"),
     "scripts/plot_run.py": (["{tmp}/nope"], "error: {tmp}/nope/metrics.jsonl does not exist"),
     "scripts/plot_runs.py": (["{tmp}/nope:x", "out={tmp}/x.png"], "error: {tmp}/nope: no results.json"),
