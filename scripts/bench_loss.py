@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from draftheads.heads.checkpoint import atomic_write_text
+
 
 def _objective(family: str, target: Any) -> tuple[Any, Any]:
     """(objective, the training module whose ``linear_cross_entropy`` selects the fused path)."""
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "seconds_per_step": times, "median_s": med,
            "checkpointed_over_fused": round(med["checkpointed"] / med["fused"], 3)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    atomic_write_text(a.out, json.dumps(out, indent=2) + "\n")
     print(f"{a.family} on {a.target} ({out['dtype']}), batch {a.batch} x {a.length}: fused {med['fused']:.2f} s, "
           f"checkpointed {med['checkpointed']:.2f} s per step ({out['checkpointed_over_fused']}x); wrote {a.out}")
     return out

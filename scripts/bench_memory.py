@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from draftheads.heads.checkpoint import atomic_write_text
+
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("medusa", "eagle", "eagle3")
 PROMPT_TOKENS = 16  # leading non-assistant tokens of every synthetic row
@@ -274,10 +276,11 @@ def table(cells: list[dict[str, Any]]) -> str:
 
 
 def host() -> dict[str, Any]:
-    model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     import torch
 
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+    from draftheads.scripts.bench_distill import cpu_facts  # model name, cores, bf16 natively or not, flags
+
+    return {"cpu": cpu_facts(), "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "loadavg_start": os.getloadavg()[0], "memory_available_gb_start": round(available_gb(), 1),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
@@ -324,7 +327,7 @@ def main() -> None:
         r = {**spec, **launch({**spec, "device": device}, max_rss, a.timeout)}
         result["cells"].append(r)
         result["ratios"] = ratios(result["cells"])
-        out.write_text(json.dumps(result, indent=2) + "\n")  # after every cell: a stopped run keeps what it measured
+        atomic_write_text(out, json.dumps(result, indent=2) + "\n")  # after every cell: a stopped run keeps what it measured
         print(f"  {r['status']}: " + (f"peak {r['peak_mb']:.0f} MB, net {r['net_mb']:.0f} MB" if r["status"] == "ok"
                                       else r["why"][-300:]), flush=True)
     print(table(result["cells"]))

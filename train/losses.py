@@ -160,7 +160,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         n = z.shape[0]
-        ctx.chunk = c = max(1, CE_CHUNK_ELEMENTS // max(1, z.shape[1]))
+        ctx.chunk = c = chunk_rows(z.shape[1], CE_CHUNK_ELEMENTS)
         lse = torch.empty(n, dtype=torch.float32, device=z.device)
         amax = torch.empty(n, dtype=torch.long, device=z.device)
         total = torch.zeros((), dtype=torch.float64, device=z.device)
