@@ -171,9 +171,17 @@ def _convert(gguf: Path, out: Path, source: dict[str, Any], name_or_path: str,
         os.chmod(tmp, 0o777 & ~_umask())
         (tmp / "draftheads_source.json").write_text(json.dumps(
             {**source, "chat_template": bool(getattr(tok, "chat_template", None))}))
-        if out.exists():
+        if _converted(out):  # a concurrent process (another rank, a parallel test worker) finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        if out.exists():  # a broken leftover: never one that is complete, which another process may be reading
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not _converted(out):  # lost the race to a process that renamed its complete copy in first
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

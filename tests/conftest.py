@@ -170,12 +170,14 @@ def assert_tau_accounts_for_tokens(tau: float, rows: list[dict], max_depth: int 
 def _one_thread_for_tiny_models(request):
     """Every test but the SmolLM2 integration ones runs torch on one thread: their models are tiny, and on a 2-core
     host two threads made each small op wait for the other core (the fast tier took 1.6-2x longer); restored
-    afterwards. Subprocesses a test starts keep their own thread count."""
+    afterwards. Integration tests share the cores among the pytest-xdist workers. Subprocesses a test starts keep
+    their own thread count."""
+    threads = 1
     if request.node.get_closest_marker("integration") is not None:
-        yield
-        return
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        threads = max(1, (os.cpu_count() or 1) // workers)
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(min(threads, before))
     yield
     torch.set_num_threads(before)
 

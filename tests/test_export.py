@@ -121,6 +121,7 @@ def _qwen3_target_dir(root: Path) -> Path:
     return d
 
 
+@pytest.mark.slow  # ~12 s in a child process of .venv-spec; CI runs it (and fails if it cannot)
 def test_speculators_loads_our_export_and_reproduces_our_logits(tmp_path, tiny_target_dir):
     """Llama (through the export job), Llama with norm_before_residual, and Qwen3 drafts; L=13 (not a multiple
     of the flex block size) and 3 TTT steps: speculators' per-step draft-vocab logits equal ours."""
