@@ -30,63 +30,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
-import torch
 
-from draftheads.eval.autotree_knobs import explicit_knob, family_of, fill_defaults, free_knobs
-from draftheads.eval.autotree_model import (Candidate, anchored_verify, chain_candidates, draft_ms_model,
-                                            dynamic_candidates, medusa_candidates)
+from draftheads.eval.autotree_knobs import fill_defaults, free_knobs
+from draftheads.eval.autotree_model import Candidate, anchored_verify
 from draftheads.eval.calibration import Calibration, _book_line, _Recorder, acceptance_table, time_drafters
 from draftheads.eval.generate import NoDrafter, generate
-from draftheads.eval.trees import generic_accuracies, greedy_tree_order
 from draftheads.eval.tau import tau_value
+from draftheads.heads import registry
 
 log = logging.getLogger(__name__)
 
 LOOKUP_BRANCH = (0, 3, 6, 10)  # tree.lookup_branch lengths tree=auto measures on the calibration prompts
 NARROW = 8  # widest head tree also tried under a lookup branch when the head's best alone is wider
-PROBE = {"top_k": 10, "depth": 8, "nodes": 63, "size": 64, "lookup_tokens": 16, "draft_tokens": 8}
 
 
 # --------------------------------------------------------------------------------------------
 # The choice: probe, time, rank the candidates (eval/autotree_model.py)
 # --------------------------------------------------------------------------------------------
-
-def _probe_configs(kind: str, tree: dict[str, Any], baselines: dict[str, Any], num_heads: int,
-                   prior: Any) -> tuple[dict[str, Any], dict[str, Any], list[tuple[dict[str, Any], dict[str, Any]]]]:
-    """(probe tree, probe baselines, timing configs) for a family; explicit knobs are kept in all of them."""
-    fam = family_of(kind)
-    tree, baselines = dict(tree), dict(baselines)
-    timing: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    if fam == "static":
-        H = min(num_heads, int(tree.get("max_depth") or num_heads))
-        ok = prior is not None and len(prior) >= H and all(len(r) == len(prior[0]) for r in prior[:H])
-        acc = prior if ok else generic_accuracies(H)  # the checkpoint's per-rank accuracies shape the probe tree
-        table = torch.tensor([list(r) for r in acc[:H]], dtype=torch.float64) + \
-            1e-4 * torch.tensor(generic_accuracies(H, len(acc[0])), dtype=torch.float64)
-        order, _ = greedy_tree_order(table, PROBE["size"] - 1)
-        probe = {**tree, "paths": [list(p) for p in order], "size": len(order) + 1}
-        if max(len(p) for p in order) > 1:  # draft cost grows with the heads run: time a depth-1 tree too
-            timing = [({**tree, "paths": [[0]], "size": 2}, baselines)]
-        return probe, baselines, timing
-    if fam == "dynamic":
-        kind_ = tree.get("kind") or "auto"
-        k = tree.get("top_k") or (1 if kind_ == "chain" else PROBE["top_k"])
-        d = tree.get("depth") or PROBE["depth"]
-        probe = {**tree, "kind": "dynamic", "top_k": k, "depth": d, "nodes": tree.get("nodes") or PROBE["nodes"]}
-        pts = [(1, 1), (d, 1), (d, max(1, (k + 1) // 2))] if d > 1 else [(1, 1)]
-        timing = [({**tree, "kind": "dynamic", "top_k": kk, "depth": dd, "nodes": min(8, dd * kk)}, baselines)
-                  for dd, kk in dict.fromkeys(pts) if (dd, kk) != (d, k)]
-        return probe, baselines, timing
-    if kind == "prompt_lookup":
-        return tree, {**baselines, "lookup_tokens": PROBE["lookup_tokens"]}, []
-    if kind == "draft_model":
-        return tree, {**baselines, "draft_tokens": PROBE["draft_tokens"]}, [(tree, {**baselines, "draft_tokens": 1})]
-    raise ValueError(f"tree=auto has no trees to choose for drafter {kind!r}")
-
 
 def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], target: Any, tree: dict[str, Any],
            baselines: dict[str, Any], calib: Calibration, profile: dict[str, Any], new_tokens: int,
@@ -114,8 +77,8 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
                                                 timing_tokens, eos, report)
         report["seconds"] = round(time.perf_counter() - t0, 1)
         return out_tree, out_base, report
-    fam = family_of(kind)
-    probe_tree, probe_base, timing_cfgs = _probe_configs(kind, tree, baselines, num_heads, prior)
+    shape = registry.shape_of(kind)  # eval/shapes.py: probe, timing configs, candidates, draft-cost model
+    probe_tree, probe_base, timing_cfgs = shape.probe(dict(tree), dict(baselines), num_heads, prior)
     probe_tree, probe_base = fill_defaults(kind, probe_tree, probe_base)
     # ---- probe run: acceptance table
     rec = _Recorder(make(probe_tree, probe_base))
@@ -124,48 +87,28 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
     eos = set(int(e) for e in eos)
     for p in calib.prompts:
         generate(target, rec, p, new_tokens, eos)
-    if fam == "static":
-        D = max(len(p) for p in probe_tree["paths"])
-        R, miss = max(p[-1] for p in probe_tree["paths"]) + 1, False
-    elif fam == "dynamic":
-        D, R, miss = int(probe_tree["depth"]), int(probe_tree["top_k"]), False
-    else:
-        D = int(probe_base["lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"])
-        R, miss = 1, True
+    D, R, miss = shape.table_dims(probe_tree, probe_base)
     records = rec.records(D)
     table, trials, hits = acceptance_table(records, D, R, miss)
     # ---- timing: probe + a few configs of the draft-cost knob + plain, round-robin through the decoding loop
     runs: list[tuple[dict[str, Any], Any]] = [({"probe": True}, rec.inner)]
     for tc, bc in timing_cfgs:
         tc, bc = fill_defaults(kind, tc, bc)
-        runs.append(({k: tc[k] for k in ("top_k", "depth", "nodes")} if fam == "dynamic"
-                     else {"paths": tc.get("paths")} if fam == "static"
-                     else {k: bc[k] for k in ("lookup_tokens", "draft_tokens")}, make(tc, bc)))
+        runs.append((shape.timing_label(tc, bc), make(tc, bc)))
     runs.append(({"plain": True}, NoDrafter()))
     *timings, plain = time_drafters(target, runs, calib.prompts, timing_tokens)
     book = _book_line(timings + [plain])
-    draft_ms = draft_ms_model(kind, fam, timings, probe_tree, probe_base)
+    draft_ms = shape.draft_ms_model(timings, probe_tree, probe_base)
     t_verify = anchored_verify(profile, timings + [plain])
     # ---- candidates
-    fixed = {k: explicit_knob(tree, k, "tree") for k in ("top_k", "depth", "nodes")}
-    if fam == "static":
-        fd = min(num_heads, int(tree.get("max_depth") or num_heads))
-        cands = medusa_candidates(table, fd)
-    elif fam == "dynamic" and (tree.get("kind") or "auto") == "chain":
-        cands = [Candidate({"depth": c.knobs["depth"]}, c.width, c.expected, 0.0)
-                 for c in chain_candidates(table[:, :1], "depth", range(1, D + 1))]
-    elif fam == "dynamic":
-        cands = dynamic_candidates(table, fixed)
-    else:
-        knob = "lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"
-        cands = chain_candidates(table, knob, range(1, D + 1))
+    cands = shape.candidates(table, tree, D, num_heads)
     t1 = profile["t1_ms"]
     plain_ms = t_verify(1) + plain.draft_ms + book(1)
-    widths = _lookup_widths(records, kind)
+    widths = shape.step_widths(records)
 
     def cost(c: Candidate) -> tuple[float, float, float]:
-        if kind == "prompt_lookup":  # proposals are often shorter than the cap: average over the probe's steps
-            k = c.knobs["lookup_tokens"]
+        if widths:  # proposals are often shorter than the cap (prompt lookup): average over the probe's steps
+            k = int(c.draft_key)
             ws = [min(n, k) + 1 for n in widths] or [1]
             tv = float(np.mean([t_verify(w) for w in ws]))
             return tv, draft_ms(c), book(float(np.mean(ws)))
@@ -176,7 +119,7 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
         tv, td, tb = cost(c)
         scored.append((c.expected * plain_ms / (tv + td + tb), c, tv, td, tb))
     if not scored:
-        raise ValueError(f"tree=auto found no candidate tree for {kind} (free knobs {free}, fixed {fixed})")
+        raise ValueError(f"tree=auto found no candidate tree for {kind} (free knobs {free}, tree {tree})")
     scored.sort(key=lambda s: -s[0])
 
     def describe(s: tuple) -> dict[str, Any]:
@@ -191,9 +134,9 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
     narrow = next((c for _, c, *_ in scored if c.width <= NARROW), None)  # the best cheap tree, for the branch stage
     out_tree, out_base = fill_defaults(kind, tree, baselines, {k: v for k, v in chosen.items() if k in free
                                                                 or k == "paths"})
-    if fam == "static":
-        out_tree["size"] = chosen["size"]
-    default = _default_of(kind, tree, baselines, scored, fam)
+    shape.finish(out_tree, chosen)
+    t_def, b_def = fill_defaults(kind, tree, baselines)
+    default = next((x for x in scored if shape.is_default(x[1].knobs, t_def, b_def)), None)  # for the report
     report = {"select": "auto", "family": kind, "free": free, "chosen": describe(best),
               "paths": chosen.get("paths"), "default": describe(default) if default else None,
               "runners_up": [describe(s) for s in scored[1:6]],
@@ -202,7 +145,7 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
               "plain_step_ms": round(plain_ms, 3), "t1_ms": t1,
               "calibration": {"questions": calib.question_ids, "source": calib.source, "prompts": len(calib.prompts),
                               "taken_from_eval": calib.taken_from_eval, "steps": len(records),
-                              "new_tokens": new_tokens, "probe": _probe_desc(probe_tree, probe_base, kind)},
+                              "new_tokens": new_tokens, "probe": shape.probe_desc(probe_tree, probe_base)},
               "table": [[round(x, 4) for x in row] for row in table.tolist()],
               "trials": trials.tolist(),
               "timings": [{**t.config, "width": round(t.width, 2), "draft_ms": round(t.draft_ms, 3),
@@ -266,33 +209,6 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     return best, report
 
 
-def _lookup_widths(records: Sequence[tuple[Sequence[int], Sequence[int], Sequence[int]]], kind: str) -> list[int]:
-    return [len(p) - 1 for p, _, _ in records] if kind == "prompt_lookup" else []
-
-
-def _default_of(kind: str, tree: dict[str, Any], baselines: dict[str, Any], scored: list, fam: str) -> tuple | None:
-    """The scored candidate equal to the fixed family default (for the report), when it is in the search space."""
-    t, b = fill_defaults(kind, tree, baselines)
-    for s in scored:
-        k = s[1].knobs
-        if fam == "static" and k["size"] == t["size"]:
-            return s
-        if fam == "dynamic" and all(k.get(n, t[n]) == t[n] for n in ("top_k", "depth", "nodes")):
-            return s
-        if fam == "chain" and all(k.get(n, b[n]) == b[n] for n in ("lookup_tokens", "draft_tokens")):
-            return s
-    return None
-
-
-def _probe_desc(tree: dict[str, Any], base: dict[str, Any], kind: str) -> dict[str, Any]:
-    fam = family_of(kind)
-    if fam == "static":
-        return {"size": len(tree["paths"]) + 1}
-    if fam == "dynamic":
-        return {k: tree[k] for k in ("top_k", "depth", "nodes")}
-    return {k: base[k] for k in ("lookup_tokens", "draft_tokens")}
-
-
 def ratio(measured: float | None, modeled: float | None) -> float | None:
     """measured / modeled speedup (1.0 = the model was exact)."""
     if not measured or not modeled or not math.isfinite(modeled):
@@ -323,13 +239,8 @@ def configure(kind: str, target: Any, tree: dict[str, Any], baselines: dict[str,
     if new_tokens < 2 or timing_tokens < 2:
         raise ValueError(f"tree.calibration.max_new_tokens={cal.get('max_new_tokens')!r} and timing_tokens="
                          f"{cal.get('timing_tokens')!r} must be >= 2 for tree.select=auto")
-    num_heads, prior = int(untrained_heads), None
-    if family_of(kind) == "static" and checkpoint:  # static-tree heads record their count and rank accuracies
-        import json
-
-        saved = json.loads((Path(checkpoint) / "config.json").read_text())
-        num_heads = int(saved["head_config"]["num_heads"])
-        prior = saved.get("rank_accuracy") if tree.get("tuned", True) else None
+    # static-tree heads record their count and rank accuracies, which shape the probe tree
+    num_heads, prior = registry.shape_of(kind).head_stats(checkpoint, tree, int(untrained_heads))
     return choose(kind, make, target, tree, baselines, calibration(), profile(), new_tokens, timing_tokens,
                   num_heads, prior, eos)
 

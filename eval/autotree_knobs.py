@@ -2,7 +2,7 @@
 fixed family defaults that fill what is neither set nor chosen.
 
 Apart from the choice (eval/autotree.py) because every entry point reads these rules, with or without choosing:
-the pipeline fills defaults, eval/measure.py asks each method's family.
+the pipeline fills defaults, eval/measure.py asks each method's shape (eval/shapes.py).
 """
 
 from __future__ import annotations
@@ -32,17 +32,6 @@ def explicit_knob(d: dict[str, Any], key: str, where: str) -> int | None:
     return n
 
 
-def family_of(kind: str) -> str:
-    """static (Medusa), dynamic (EAGLE/EAGLE-3), chain (prompt lookup, draft model), or none."""
-    if kind == "medusa-init":  # the untrained Medusa reference
-        return "static"
-    if kind in registry.FAMILIES:
-        return registry.get(kind).tree
-    if kind in ("prompt_lookup", "draft_model"):
-        return "chain"
-    return "none"
-
-
 def _select(tree: dict[str, Any]) -> str:
     s = tree.get("select") or "auto"
     if s not in SELECT:
@@ -51,24 +40,14 @@ def _select(tree: dict[str, Any]) -> str:
 
 
 def free_knobs(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> list[str]:
-    """The knobs tree=auto would choose for ``kind`` (null in the config; [] under tree.select=default)."""
+    """The knobs tree=auto would choose for ``kind`` (null in the config; [] under tree.select=default): its
+    shape's own (eval/shapes.py), and ``lookup_branch`` for drafters that draft trees."""
     validate(kind, tree, baselines)
     if _select(tree) != "auto":
         return []
-    fam = family_of(kind)
-    branch = ["lookup_branch"] if tree.get("lookup_branch") is None else []  # trained heads only
-    if fam == "static":
-        return ([] if tree.get("paths") or tree.get("size") is not None else ["size"]) + branch
-    if fam == "dynamic":
-        k = tree.get("kind") or "auto"
-        if k in ("auto", "dynamic"):
-            return [n for n in ("top_k", "depth", "nodes") if tree.get(n) is None] + branch
-        return (["depth"] if k == "chain" and tree.get("depth") is None else []) + branch
-    if kind == "prompt_lookup":
-        return ["lookup_tokens"] if baselines.get("lookup_tokens") is None else []
-    if kind == "draft_model":
-        return ["draft_tokens"] if baselines.get("draft_tokens") is None else []
-    return []
+    shape = registry.shape_of(kind)
+    branch = ["lookup_branch"] if shape.branchable and tree.get("lookup_branch") is None else []
+    return shape.free(tree, baselines) + branch
 
 
 def validate(kind: str, tree: dict[str, Any], baselines: dict[str, Any]) -> None:

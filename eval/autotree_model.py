@@ -95,29 +95,6 @@ def anchored_verify(profile: dict[str, Any], timings: Sequence[Timing]) -> Calla
     return lambda w: shape(w) * float(np.interp(math.log2(max(w, 1.0)), lx, sc))
 
 
-def draft_ms_model(kind: str, fam: str, timings: Sequence[Timing], probe_tree: dict[str, Any],
-                 probe_base: dict[str, Any]) -> Callable[[Candidate], float]:
-    """Per-step draft ms for a candidate, interpolated over the timed configurations."""
-    probe = timings[0]
-    if fam == "static":  # Medusa: the heads up to the tree's depth run every step
-        pd = max(len(p) for p in probe_tree["paths"])
-        xs = [pd] + [max(len(p) for p in t.config["paths"]) for t in timings[1:]]
-        ys = [t.draft_ms for t in timings]
-        return lambda c: max(0.0, _interp(c.draft_key, xs, ys))
-    if fam == "dynamic":  # one draft forward per depth over the top_k frontier: base + (depth-1)·slope(top_k)
-        pts = {(int(probe_tree["depth"]), int(probe_tree["top_k"])): probe.draft_ms}
-        for t in timings[1:]:
-            pts[(int(t.config["depth"]), int(t.config["top_k"]))] = t.draft_ms
-        base = pts.get((1, 1), min(pts.values()))
-        deep = {k: v for (d, k), v in pts.items() if d > 1}
-        dmax = max(d for d, _ in pts)
-        if not deep:
-            return lambda c: base
-        ks = sorted(deep)
-        slopes = [(deep[k] - base) / (dmax - 1) for k in ks]
-        return lambda c: max(0.0, base + (c.knobs.get("depth", 1) - 1) * _interp(c.knobs.get("top_k", 1), ks, slopes))
-    knob = "lookup_tokens" if kind == "prompt_lookup" else "draft_tokens"
-    xs = [int(probe_base[knob])] + [int(t.config[knob]) for t in timings[1:]]
-    ys = [t.draft_ms for t in timings]
+def interp_ms(xs: Sequence[float], ys: Sequence[float]) -> Callable[[Candidate], float]:
+    """A candidate's per-step draft ms, interpolated in its draft-cost key between timed configurations."""
     return lambda c: max(0.0, _interp(c.draft_key, xs, ys))
-

@@ -251,20 +251,28 @@ def prompt_lookup_from(options: Mapping[str, Any]) -> PromptLookupDrafter:
                                int(options.get("lookup_min_ngram", 1)))
 
 
-def build_baseline_drafter(kind: str, target: FrozenTarget, options: Mapping[str, Any] | None, dtype: torch.dtype,
-                           ) -> tuple[Any, dict[str, Any]]:
-    """``prompt_lookup`` or ``draft_model`` drafter from eval options (see conf/baselines/default.yaml)."""
+def build_prompt_lookup(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
+                        options: Mapping[str, Any] | None = None, num_heads: int = 0,
+                        shared: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The prompt-lookup drafter from eval options (see conf/baselines/default.yaml)."""
+    d = prompt_lookup_from(dict(options or {}))
+    return d, {"drafter": "prompt_lookup", "tree_size": d.num_tokens + 1, "tree_depth": d.num_tokens,
+               "max_ngram": d.max_ngram, "min_ngram": d.min_ngram}
+
+
+def build_draft_model(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
+                      options: Mapping[str, Any] | None = None, num_heads: int = 0,
+                      shared: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """A small LM (``baselines.draft_model``) drafting ``baselines.draft_tokens``; loaded once per ``shared``."""
     o = dict(options or {})
-    if kind == "prompt_lookup":
-        d = prompt_lookup_from(o)
-        return d, {"drafter": kind, "tree_size": d.num_tokens + 1, "tree_depth": d.num_tokens,
-                   "max_ngram": d.max_ngram, "min_ngram": d.min_ngram}
-    if kind == "draft_model":
-        spec = o.get("draft_model")
+    spec, k = o.get("draft_model"), int(o.get("draft_tokens", 4))
+    key = ("draft_model", str(spec))
+    if shared is not None and key in shared:
+        model = shared[key]
+    else:
         model = load_draft_model(spec, target, dtype, bool(o.get("local_files_only", True)))
-        k = int(o.get("draft_tokens", 4))
-        d = DraftModelDrafter(model, k, target.vocab_size)
-        n_params = sum(p.numel() for p in model.parameters())
-        return d, {"drafter": kind, "draft_model": spec, "draft_params": n_params, "tree_size": k + 1,
-                   "tree_depth": k}
-    raise ValueError(f"unknown baseline drafter {kind!r}; expected prompt_lookup or draft_model")
+        if shared is not None:
+            shared[key] = model
+    n_params = sum(p.numel() for p in model.parameters())
+    return DraftModelDrafter(model, k, target.vocab_size), {
+        "drafter": "draft_model", "draft_model": spec, "draft_params": n_params, "tree_size": k + 1, "tree_depth": k}

@@ -79,28 +79,27 @@ def checkpoint_family(path: str | Path) -> str:
 
 def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
                   allow_target_mismatch: bool = False, num_heads: int = 4, baselines: Any = None,
-                  ) -> tuple[Any, dict[str, Any]]:
+                  shared: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Make the drafter for the eval job; returns (drafter, description).
 
-    ``baselines``: options of the baseline drafters (conf/baselines/default.yaml: draft_model,
-    draft_tokens, lookup_tokens, lookup_max_ngram, lookup_min_ngram).
+    ``kind``: plain, auto (the checkpoint's family), a registered family or a registered baseline (heads/registry.py).
+    ``baselines``: options of the baseline drafters (conf/baselines/default.yaml: draft_model, draft_tokens,
+    lookup_tokens, lookup_max_ngram, lookup_min_ngram). ``shared``: a per-job dict where a baseline keeps what is
+    costly to rebuild between sizes (a loaded draft LM). A drafter whose shape drafts trees may carry
+    ``tree.lookup_branch``.
     """
     if kind == "auto":
         kind = checkpoint_family(head) if head else "plain"
     if kind == "plain":
         return NoDrafter(), {"drafter": "plain"}
-    if kind in ("prompt_lookup", "draft_model"):
-        from draftheads.eval.baselines import build_baseline_drafter
-
-        return build_baseline_drafter(kind, target, baselines, dtype)
-    if kind == "medusa-init":  # identity-initialized heads: the untrained reference, not a family
-        out = build_medusa_drafter(target, head, tree_cfg, dtype, num_heads=num_heads, untrained=True)
-        return with_lookup_branch(*out, tree_cfg, baselines)
-    if kind in registry.FAMILIES:
+    if kind in registry.BASELINES:
+        out = registry.BASELINES[kind].load("drafter")(target, head, tree_cfg, dtype, baselines, num_heads, shared)
+    elif kind in registry.FAMILIES:
         out = registry.get(kind).load("drafter")(target, head, tree_cfg, dtype, allow_target_mismatch)
-        return with_lookup_branch(*out, tree_cfg, baselines)
-    raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, medusa-init, prompt_lookup, draft_model "
-                     f"or a registered family ({', '.join(registry.FAMILIES)})")
+    else:
+        raise ValueError(f"unknown drafter {kind!r}; expected auto, plain, a baseline ({', '.join(registry.BASELINES)})"
+                         f" or a registered family ({', '.join(registry.FAMILIES)})")
+    return with_lookup_branch(*out, tree_cfg, baselines) if registry.shape_of(kind).branchable else out
 
 
 def with_lookup_branch(drafter: Any, desc: dict[str, Any], tree_cfg: Any, baselines: Any = None,
@@ -118,6 +117,13 @@ def with_lookup_branch(drafter: Any, desc: dict[str, Any], tree_cfg: Any, baseli
 
     lookup = prompt_lookup_from({**dict(baselines or {}), "lookup_tokens": n})
     return LookupBranch(drafter, lookup), {**desc, "lookup_branch": n}
+
+
+def build_untrained_medusa(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
+                           baselines: Any = None, num_heads: int = 4, shared: dict[str, Any] | None = None,
+                           ) -> tuple[MedusaDrafter, dict[str, Any]]:
+    """``num_heads`` identity-initialized Medusa heads on their tree: the untrained reference (a baseline)."""
+    return build_medusa_drafter(target, head, tree_cfg, dtype, num_heads=num_heads, untrained=True)
 
 
 def build_medusa_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,

@@ -39,13 +39,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from draftheads.data_prep.template import ensure_chat_template
 from draftheads.eval.latency import latency_profile, profile_key, store_profile, t_verify_ms
-from draftheads.eval.measure_methods import (CHAIN_KINDS, TREE_KINDS, AutoContext, Method, Setting, build_method,
-                                             decoding_settings, resolve_methods)
+from draftheads.eval.measure_methods import (AutoContext, Method, Setting, build_method, decoding_settings,
+                                             resolve_methods, sweep_axis)
 from draftheads.eval.measure_run import run_questions_interleaved, warm_up
 from draftheads.eval.measure_summary import (aggregate, greedy_identity, head_to_head, headline, speedups,
                                              summarize_method, tree_choices, turns_skipped)
 from draftheads.eval.questions import check_eval_limits, load_questions
-from draftheads.heads import job
+from draftheads.heads import job, registry
 from draftheads.heads.checkpoint import atomic_write_text
 from draftheads.heads.target import FrozenTarget, dtype_name, load_target, resolve_device
 
@@ -71,19 +71,19 @@ def run_sweep(methods: list[Method], target: FrozenTarget, questions: list[dict[
     """Greedy τ and draft cost per tree size → modeled and measured speedup over plain, per method."""
     sw = cfg.sweep
     wanted = sw.methods if sw.methods is not None else [m.name for m in methods
-                                                          if m.kind in TREE_KINDS + CHAIN_KINDS]
+                                                          if registry.shape_of(m.kind).drafts]
     chosen = [m for m in methods if m.name in set(wanted)]
     unknown = set(wanted) - {m.name for m in methods}
     if unknown:
         raise ValueError(f"sweep.methods names {sorted(unknown)} that are not in methods")
-    bad = [m.name for m in chosen if m.kind not in TREE_KINDS + CHAIN_KINDS + ("hf_prompt_lookup",)]
+    bad = [m.name for m in chosen if sweep_axis(m.kind) is None]
     if bad:
         raise ValueError(f"sweep.methods {bad} have no tree size to sweep")
     if not chosen:
         return {}
     points = []
     for m in chosen:
-        sizes = sw.tree_sizes if m.kind in TREE_KINDS else sw.chain_sizes
+        sizes = sw[sweep_axis(m.kind)]
         points += [build_method(m, target, cfg, int(s), shared) for s in sizes]
     plain = Method("plain", "plain")
     qs = questions[: int(sw.max_questions)] if sw.max_questions else questions

@@ -13,9 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from draftheads.eval.autotree import configure
-from draftheads.eval.autotree_knobs import family_of
 from draftheads.eval.autotree_model import MAX_WIDTH
-from draftheads.eval.baselines import DraftModelDrafter
 from draftheads.eval.calibration import Calibration, heldout_calibration
 from draftheads.eval.drafters import build_drafter, checkpoint_family
 from draftheads.eval.latency import cached_latency_profile
@@ -23,9 +21,7 @@ from draftheads.heads import registry
 from draftheads.heads.target import FrozenTarget
 
 HF_KINDS = ("hf_plain", "hf_prompt_lookup")  # transformers' own generate(): the off-the-shelf peers
-CHAIN_KINDS = ("prompt_lookup", "draft_model")  # sweep size = chain length + 1
-TREE_KINDS = ("medusa-init", *registry.FAMILIES)  # sweep size = nodes verified per step
-BUILTIN = ("plain",) + HF_KINDS + ("prompt_lookup", "draft_model", "medusa-init")
+BUILTIN = ("plain",) + HF_KINDS + tuple(registry.BASELINES)  # methods named without a checkpoint
 
 
 @dataclass
@@ -33,7 +29,7 @@ class Method:
     """One column of the comparison: a name, how it decodes, and (for trained heads) its checkpoint."""
 
     name: str
-    kind: str  # plain | hf_plain | hf_prompt_lookup | prompt_lookup | draft_model | medusa | medusa-init | eagle(3)
+    kind: str  # plain | hf_plain | hf_prompt_lookup | a registered baseline or family (heads/registry.py)
     checkpoint: str | None = None
     size: int | None = None  # sweep point: tree size / chain length + 1 (None = configured default)
     drafter: Any = None
@@ -92,6 +88,12 @@ def decoding_settings(cfg: DictConfig) -> list[Setting]:
     return out
 
 
+def sweep_axis(kind: str) -> str | None:
+    """Which sweep sizes a method takes (``sweep.tree_sizes`` or ``sweep.chain_sizes``); None: nothing to sweep.
+    transformers' prompt lookup sweeps its chain like ours."""
+    return "chain_sizes" if kind == HF_KINDS[1] else registry.shape_of(kind).sweep
+
+
 def sized_configs(method: Method, cfg: DictConfig, size: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tree cfg, baselines cfg) for a method at a sweep size: the size maps onto the family's own knob.
 
@@ -103,28 +105,16 @@ def sized_configs(method: Method, cfg: DictConfig, size: int | None) -> tuple[di
         if size < 2:
             raise ValueError(f"sweep sizes count the root too and must be >= 2, got {size}")
         tree["select"] = "default"
-        if family_of(method.kind) == "static":
-            tree["size"] = size
-        elif family_of(method.kind) == "dynamic":
-            tree["nodes"] = size - 1  # dynamic trees and the generic static tree (custom paths ignore it)
-        elif method.kind == "prompt_lookup":
-            base["lookup_tokens"] = size - 1
-        elif method.kind == "draft_model":
-            base["draft_tokens"] = size - 1
+        registry.shape_of(method.kind).apply_size(tree, base, size)  # e.g. tree.size, tree.nodes, lookup_tokens
     return tree, base
 
 
 def _make_drafter(m: Method, target: FrozenTarget, cfg: DictConfig, tree: dict[str, Any], base: dict[str, Any],
                   shared: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
-    """(drafter, description) for concrete tree/baselines configs; the draft LM is loaded once and shared."""
-    if m.kind == "draft_model" and shared is not None and "draft_model" in shared:
-        d = DraftModelDrafter(shared["draft_model"], int(base["draft_tokens"]), target.vocab_size)
-        return d, {**shared["draft_desc"], "tree_size": d.k + 1, "tree_depth": d.k}
-    drafter, desc = build_drafter(m.kind, target, m.checkpoint, OmegaConf.create(tree), target.dtype,
-                                  bool(cfg.allow_target_mismatch), int(cfg.untrained_heads), base)
-    if m.kind == "draft_model" and shared is not None:
-        shared["draft_model"], shared["draft_desc"] = drafter.model, dict(desc)
-    return drafter, desc
+    """(drafter, description) for concrete tree/baselines configs; ``shared`` keeps what a drafter loads once per
+    job (the draft LM) across sizes."""
+    return build_drafter(m.kind, target, m.checkpoint, OmegaConf.create(tree), target.dtype,
+                         bool(cfg.allow_target_mismatch), int(cfg.untrained_heads), base, shared)
 
 
 def build_method(method: Method, target: FrozenTarget, cfg: DictConfig, size: int | None = None,

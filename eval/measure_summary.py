@@ -15,8 +15,9 @@ import numpy as np
 
 from draftheads.eval.acceptance import first_divergence
 from draftheads.eval.autotree import ratio
-from draftheads.eval.measure_methods import CHAIN_KINDS, TREE_KINDS, Method
+from draftheads.eval.measure_methods import Method
 from draftheads.eval.tau import paired_forwards, tau
+from draftheads.heads import registry
 
 
 def formula_tau(alpha: float, k: int) -> float:
@@ -170,7 +171,7 @@ def headline(per_setting: dict[str, Any], methods: list[Method]) -> dict[str, An
     if not g:
         return {}
     heads = [m.name for m in methods if m.checkpoint]
-    cands = heads or [m.name for m in methods if m.kind in TREE_KINDS + CHAIN_KINDS]
+    cands = heads or [m.name for m in methods if registry.shape_of(m.kind).drafts]
     if not cands:
         return {}
     best = max(cands, key=lambda n: g["methods"][n]["tokens_per_s"])

@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 REQUIRED_FILES = ("model.safetensors", "config.json", "README.md", "training_config.yaml", "tau_table.json")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-FAMILY_TITLES = {"medusa": "Medusa heads", "eagle": "EAGLE draft", "eagle3": "EAGLE-3 draft"}
 
 
 def hub_id_of(target: dict[str, Any]) -> str | None:
@@ -96,7 +95,7 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
     if base:
         meta["base_model"] = base
     data = head_cfg.get("data") or {}
-    title = f"{FAMILY_TITLES.get(family, family)} for {base or tgt.get('name')}"
+    title = f"{_title(family)} for {base or tgt.get('name')}"
     L = ["---", yaml.safe_dump(meta, sort_keys=True).strip(), "---", "", f"# {title}", "",
          f"Speculative-decoding draft ({family}) trained with draftheads for a **frozen** target. "
          f"It proposes tokens; the target verifies them, so greedy output is token-identical to the target's.", "",
@@ -295,3 +294,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     _hydra_main()
+
+
+def _title(family: str) -> str:
+    """The registered family's model-card title ("EAGLE-3 draft"); its name for an unknown or untitled one."""
+    f = registry.FAMILIES.get(family)
+    return (f.title if f else "") or family

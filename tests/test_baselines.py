@@ -14,7 +14,8 @@ import torch
 from scipy import stats
 
 from conftest import tiny_model
-from draftheads.eval.baselines import DraftModelDrafter, PromptLookupDrafter, build_baseline_drafter, truncated_target
+from draftheads.eval.baselines import DraftModelDrafter, PromptLookupDrafter, truncated_target
+from draftheads.eval.drafters import build_drafter
 from draftheads.eval.generate import LazySampledProbs, NoDrafter, commit_tree_path, generate, keep_cache_positions
 from draftheads.eval.verify import apply_sampling, verify_tree
 from draftheads.heads.target import from_model
@@ -137,21 +138,21 @@ def test_draft_model_cache_rolls_back_to_accepted_prefix():
 
 def test_build_baseline_drafters_and_errors(tiny_target_dir):
     tgt = from_model(tiny_model("llama"))
-    d, desc = build_baseline_drafter("prompt_lookup", tgt, {"lookup_tokens": 5}, torch.float32)
+    d, desc = build_drafter("prompt_lookup", tgt, None, {}, torch.float32, baselines={"lookup_tokens": 5})
     assert isinstance(d, PromptLookupDrafter) and desc["tree_size"] == 6
-    d, desc = build_baseline_drafter("draft_model", tgt, {"draft_model": "self:2", "draft_tokens": 3},
-                                     torch.float32)
+    d, desc = build_drafter("draft_model", tgt, None, {}, torch.float32,
+                            baselines={"draft_model": "self:2", "draft_tokens": 3})
     assert isinstance(d, DraftModelDrafter) and d.k == 3 and desc["tree_depth"] == 3
     with pytest.raises(ValueError, match="draft_model="):
-        build_baseline_drafter("draft_model", tgt, {}, torch.float32)
+        build_drafter("draft_model", tgt, None, {}, torch.float32, baselines={})
     with pytest.raises(ValueError, match="1 <= n"):
-        build_baseline_drafter("draft_model", tgt, {"draft_model": "self:4"}, torch.float32)
+        build_drafter("draft_model", tgt, None, {}, torch.float32, baselines={"draft_model": "self:4"})
     # a real checkpoint directory with a different tokenizer is refused
     from conftest import CHATML, make_tokenizer
 
     tgt.tokenizer = make_tokenizer(CHATML, vocab_size=300)
     with pytest.raises(ValueError, match="tokenizer"):
-        build_baseline_drafter("draft_model", tgt, {"draft_model": str(tiny_target_dir)}, torch.float32)
+        build_drafter("draft_model", tgt, None, {}, torch.float32, baselines={"draft_model": str(tiny_target_dir)})
 
 
 # --------------------------------------------------------------------------------------------
