@@ -91,6 +91,9 @@ register(Family("eagle", "draftheads.heads.eagle:EagleDraft", "draftheads.eval.e
 register(Family("eagle3", "draftheads.heads.eagle3:Eagle3Draft", "draftheads.eval.eagle3_drafter:build_eagle3_drafter",
                 "draftheads.train.eagle3", f"{SHAPES}:DYNAMIC",
                 "EAGLE-3: fused low/mid/high features, training-time test, draft vocabulary", "EAGLE-3 draft"))
+register(Family("block", "draftheads.heads.block:BlockDraft", "draftheads.eval.block_drafter:build_block_drafter",
+                "draftheads.train.block", "draftheads.eval.block_drafter:SHAPE",
+                "Block draft (DFlash-style): a few layers draft a whole block in one forward", "Block draft"))
 register_baseline(Baseline("prompt_lookup", "draftheads.eval.baselines:build_prompt_lookup", f"{SHAPES}:LOOKUP",
                            "prompt lookup: copy the continuation of the last n-gram seen earlier"))
 register_baseline(Baseline("draft_model", "draftheads.eval.baselines:build_draft_model", f"{SHAPES}:DRAFT_MODEL",

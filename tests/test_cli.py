@@ -38,12 +38,12 @@ def test_help_lists_every_command() -> None:
     text = cli.usage()
     for name in [*cli.JOBS, "compare"]:
         assert f"\n  {name} " in text
-    assert "train {medusa|eagle|eagle3}" in text
+    assert "train {medusa|eagle|eagle3|block}" in text
 
 
 @pytest.mark.parametrize("argv, needle", [(["trian"], "unknown command 'trian'"),
                                           (["train"], "needs a family, got nothing"),
-                                          (["train", "gpt"], "needs a family, got 'gpt'; allowed: medusa, eagle, eagle3")])
+                                          (["train", "gpt"], "needs a family, got 'gpt'; allowed: medusa, eagle, eagle3, block")])
 def test_bad_command_is_one_message_and_exit_2(argv: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

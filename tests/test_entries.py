@@ -48,6 +48,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train/medusa.py": (["optim.lr=0"], "error: optim.lr=0.0 is not allowed: a learning rate must be > 0"),
     "train/eagle.py": (["optim.schedule=step"], "error: optim.schedule=step is not allowed; allowed: cosine"),
     "train/eagle3.py": (["train.mixed_precision=fp8"], "error: train.mixed_precision=fp8 is not allowed"),
+    "train/block.py": (["optim.lr=-1"], "error: optim.lr=-1.0 is not allowed: a learning rate must be > 0"),
     "eval/acceptance.py": (["tree.kind=bushy"], "error: tree.kind=bushy is not allowed; allowed: auto, static"),
     "eval/measure.py": (["tree.top_k=0"], "error: tree.top_k=0 is out of range"),
     "eval/exactness.py": (["rounds=-1", "out=null"], "error: rounds must be >= 1, got -1"),

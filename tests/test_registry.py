@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_family_part_resolves() -> None:
-    assert set(registry.FAMILIES) == {"medusa", "eagle", "eagle3"}
+    assert set(registry.FAMILIES) == {"medusa", "eagle", "eagle3", "block"}
     for fam in registry.FAMILIES.values():
         assert callable(fam.load("head").from_pretrained) and callable(fam.load("drafter"))
         assert (REPO / (fam.trainer.removeprefix("draftheads.").replace(".", "/") + ".py")).is_file()
@@ -32,7 +32,7 @@ def test_every_family_part_resolves() -> None:
 
 
 def test_unknown_family_names_the_registered_ones() -> None:
-    with pytest.raises(ValueError, match="unknown draft family 'gpt'; registered: medusa, eagle, eagle3"):
+    with pytest.raises(ValueError, match="unknown draft family 'gpt'; registered: medusa, eagle, eagle3, block"):
         registry.get("gpt")
 
 

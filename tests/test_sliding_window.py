@@ -32,9 +32,9 @@ from draftheads.heads.target import FrozenTarget, from_model
 
 W = 8  # sliding window
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-FAMILIES = ("medusa", "eagle", "eagle3")
+FAMILIES = ("medusa", "eagle", "eagle3", "block")
 TREES = {"medusa": {"size": 12, "max_depth": 3}, "eagle": {"top_k": 3, "depth": 4, "nodes": 10},
-         "eagle3": {"top_k": 3, "depth": 4, "nodes": 10}}
+         "eagle3": {"top_k": 3, "depth": 4, "nodes": 10}, "block": {"depth": 5}}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,6 +73,11 @@ def save_head(family: str, tgt: FrozenTarget, out: Path, scale: float = 0.3) -> 
         from draftheads.heads.eagle import EagleDraft, eagle_config_for
 
         head = EagleDraft(eagle_config_for(tgt), tgt)
+    elif family == "block":
+        from draftheads.heads.block import BlockDraft, block_config_for
+
+        L = tgt.num_layers
+        head = BlockDraft(block_config_for(tgt, sorted({0, L // 2, L - 1}), 2, 6), tgt)
     else:
         from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for
 
@@ -225,7 +230,7 @@ V = 4  # the joint of the first k tokens has V**k cells
 SAMPLING = {"temperature": 0.9, "top_p": 1.0, "top_k": 2}
 ALPHA, TV_FACTOR = 1e-3, 3.0  # eval/exactness.py's defaults for "consistent with the target"
 SMALL_TREES = {"medusa": {"size": 5, "max_depth": 2}, "eagle": {"top_k": 2, "depth": 2, "nodes": 4},
-               "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}}
+               "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"depth": 2}}
 
 
 @pytest.fixture(scope="module")

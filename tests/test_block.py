@@ -1,0 +1,187 @@
+"""Block draft (DFlash-style): what training computes is what decoding drafts, greedy decoding equals plain
+decoding with drafts accepted, the draft cache after a step equals a fresh prefill, training lowers the loss and
+resumes exactly, checkpoints for another target are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import compose, tiny_model, tiny_train_overrides
+from draftheads.data_prep.features import batch_hidden
+from draftheads.eval.block_drafter import BlockDrafter
+from draftheads.eval.drafters import build_drafter
+from draftheads.eval.generate import NoDrafter, generate
+from draftheads.heads.block import BlockDraft, block_config_for
+from draftheads.heads.target import from_model, load_target
+from draftheads.train.block import BlockObjective
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _draft(tgt, block: int = 5, layers=(1, 2, 3), scale: float = 0.3, seed: int = 0) -> BlockDraft:
+    torch.manual_seed(seed)
+    d = BlockDraft(block_config_for(tgt, list(layers), 2, block), tgt)
+    for p in d.parameters():
+        p.data.normal_(0, scale) if p.ndim > 1 else p.data.uniform_(0.5, 1.5)
+    return d
+
+
+def _batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+
+
+def test_training_blocks_are_what_decoding_drafts():
+    """The block training scores for an anchor a (context before a, root x_a) has exactly the distributions the
+    drafter proposes from after a prefill of x_<a with root x_a; a block that saw the anchor's own context entry
+    (one position too many) does not."""
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
+    d = _draft(tgt)
+    obj = BlockObjective(d, tgt, anchors=4).eval()
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    hidden = batch_hidden(_batch(ids), tgt, obj.layers)
+    drafter = BlockDrafter(d)
+    for a in (1, 9, 17):
+        with torch.no_grad():
+            h = obj.blocks(_batch(ids), hidden, torch.tensor([[a]]))[0, 0]  # [n, H]
+            p_train = torch.softmax(d.logits(h[1:]).float(), -1)  # [n-1, V]
+        drafter.begin(ids[0, :a], {k: v[0, :a] for k, v in hidden.items()})
+        tree = drafter.propose(int(ids[0, a]), {"temperature": 1.0}, torch.Generator().manual_seed(0))
+        torch.testing.assert_close(tree.draft_probs[1:], p_train, rtol=1e-4, atol=1e-6)
+        drafter.begin(ids[0, :a + 1], {k: v[0, :a + 1] for k, v in hidden.items()})  # sees x_a's own entry
+        leaky = drafter.propose(int(ids[0, a]), {"temperature": 1.0}, torch.Generator().manual_seed(0))
+        assert (leaky.draft_probs[1:] - p_train).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_greedy_block_decoding_equals_plain_and_accepts_drafts(kind):
+    tgt = from_model(tiny_model(kind, vocab_size=6, seed=3))
+    d = _draft(tgt, block=4)
+    accepted = 0
+    for prompt in ([1, 2, 3, 4, 5], [int(x) for x in torch.randint(0, 6, (30,), generator=torch.Generator()
+                                                                     .manual_seed(1))]):
+        ref = generate(tgt, NoDrafter(), prompt, 40).tokens
+        res = generate(tgt, BlockDrafter(d), prompt, 40)
+        assert res.tokens == ref, (kind, prompt)
+        assert max(res.tree_sizes) == 4
+        accepted += sum(res.accepted)
+    assert accepted > 0  # the accept path ran (and the rejected-draft rollback around it)
+
+
+def test_draft_cache_after_steps_equals_a_fresh_prefill():
+    tgt = from_model(tiny_model("llama", vocab_size=6, seed=3))
+    d = _draft(tgt, block=4)
+    drafter = BlockDrafter(d)
+    prompt = [int(x) for x in torch.randint(0, 6, (30,), generator=torch.Generator().manual_seed(1))]
+    res = generate(tgt, drafter, prompt, 25)
+    assert sum(res.accepted) > 0 and any(a < 3 for a in res.accepted)  # accepts and rejections both ran
+    # after the loop: every accepted token's context entry was committed (the last ones are still pending)
+    drafter._commit()
+    seq = torch.tensor(prompt + res.tokens[:-1])
+    hidden = tgt(seq[None], logits=False, layers=list(drafter.layers))["hidden"]
+    fresh = BlockDrafter(d)
+    fresh.begin(seq, {k: v[0] for k, v in hidden.items()})
+    fresh._commit()
+    assert drafter.committed == fresh.committed == seq.numel()
+    for a, b in zip(drafter.cache.caches, fresh.cache.caches):
+        torch.testing.assert_close(a.k[..., :a.length, :], b.k[..., :b.length, :], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a.v[..., :a.length, :], b.v[..., :b.length, :], rtol=1e-4, atol=1e-5)
+
+
+def test_anchors_attend_only_to_their_context_and_block():
+    """Changing a token after an anchor's block, or a context entry in another document, leaves that block's
+    outputs unchanged; changing a token inside its context changes them."""
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
+    d = _draft(tgt)
+    obj = BlockObjective(d, tgt).eval()
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    a = torch.tensor([[10]])
+
+    def out(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return obj.blocks(_batch(x), batch_hidden(_batch(x), tgt, obj.layers), a)[0, 0]
+
+    base = out(ids)
+    later, earlier = ids.clone(), ids.clone()
+    later[0, 16] = (later[0, 16] + 1) % 64  # past the block (10..14): invisible
+    earlier[0, 4] = (earlier[0, 4] + 1) % 64  # in the context
+    torch.testing.assert_close(out(later), base)
+    assert (out(earlier) - base).abs().max() > 1e-4
+
+
+def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, chat_file):
+    from draftheads.train.block import main
+
+    kw = {"train.max_steps": 16, "train.save_every": 8, "train.keep_last": 5, "optim.lr": 1e-2,
+          "head.context_layers": "[1,2,3]", "head.block_size": 4, "head.anchors": 8}
+    summary = main(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "full", **kw)))
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+    mean = lambda k, steps: sum(rows[s][k] for s in steps) / len(steps)  # noqa: E731
+    # the tiny random target's lm_head makes nearly flat logits, so CE moves little (the fixed-batch test below shows
+    # the draft learning); here: it falls, and the run resumes exactly
+    assert mean("loss", (14, 15, 16)) < mean("loss", (1, 2, 3)), rows
+    ckpt = json.loads((tmp_path / "full" / "final" / "config.json").read_text())
+    assert ckpt["family"] == "block" and ckpt["head_config"]["block_size"] == 4
+    assert summary["family"] == "block" and summary["steps"] == 16
+    final_eval = json.loads((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"heldout_ce", "heldout_top1", "sim_tau/positions"} <= set(final_eval)
+    killed = tmp_path / "killed"
+    shutil.copytree(tmp_path / "full", killed)
+    shutil.rmtree(killed / "checkpoints" / "step-000016")
+    shutil.rmtree(killed / "final")
+    resumed = main(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, killed, **kw,
+                                                         **{"train.resume": "true"})))
+    assert resumed["resumed_from_step"] == 8
+    got = {r["step"]: r["loss"] for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines())
+           if "loss" in r}
+    for s in range(9, 17):
+        assert got[s] == pytest.approx(rows[s]["loss"], rel=1e-6, abs=1e-7), s
+    # eval's factory builds it from the checkpoint; tree.depth picks how much of the block is drafted
+    tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32", "local_files_only": True})
+    drafter, desc = build_drafter("auto", tgt, str(tmp_path / "full" / "final"), OmegaConf.create({"depth": 2}),
+                                  tgt.dtype)
+    assert desc["drafter"] == "block" and desc["tree_depth"] == 2 and isinstance(drafter, BlockDrafter)
+    assert build_drafter("block", tgt, str(tmp_path / "full" / "final"), OmegaConf.create({"depth": 9}),
+                         tgt.dtype)[1]["tree_depth"] == 3  # clipped to the block
+    with pytest.raises(ValueError, match="proposes a chain"):
+        build_drafter("block", tgt, str(tmp_path / "full" / "final"), OmegaConf.create({"kind": "dynamic"}), tgt.dtype)
+
+
+def test_a_block_learns_a_pattern_at_every_position():
+    """On a fixed batch of counting rows, 60 AdamW steps take every block position's top-1 from chance (1/64) to
+    >= 0.75: the context, the root and the bidirectional block attention all carry what the masks let them."""
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
+    torch.manual_seed(0)
+    d = BlockDraft(block_config_for(tgt, [1, 2, 3], 2, 4), tgt)
+    obj = BlockObjective(d, tgt, anchors=8).train()
+    ids = torch.tensor([[(i % 10) + 5 for i in range(40)]] * 4)
+    batch = _batch(ids)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        loss, st = obj(batch)
+        (loss / obj.num_targets(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+        first = first or {j: float(st[f"top1/j{j}"][0] / st[f"top1/j{j}"][1]) for j in (1, 2, 3)}
+    last = {j: float(st[f"top1/j{j}"][0] / st[f"top1/j{j}"][1]) for j in (1, 2, 3)}
+    assert max(first.values()) < 0.2 and min(last.values()) >= 0.75, (first, last)
+
+
+def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_target_dir, tiny_qwen2_dir):
+    tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32", "local_files_only": True})
+    other = load_target({"name": str(tiny_qwen2_dir), "dtype": "fp32", "local_files_only": True})
+    d = _draft(tgt)
+    d.save_pretrained(tmp_path / "b", tgt.identity)
+    back = BlockDraft.from_pretrained(tmp_path / "b", tgt)
+    for k, v in d.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="block-draft checkpoint"):
+        BlockDraft.from_pretrained(tmp_path / "b", other)
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        block_config_for(tgt, [1, 2], 2, 1)

@@ -1,0 +1,227 @@
+"""Train a block draft (DFlash-style) on a frozen target: ``accelerate launch train/block.py [overrides]``.
+
+Per row, ``head.anchors`` random anchor positions a are drawn among the positions whose next token is an
+assistant token. Each anchor's block is [x_a, mask, ..., mask] at positions a .. a+n-1 (n = ``head.block_size``);
+it attends to the context entries of the same document before a (the target's hidden states at 0..a-1, exactly
+what decoding has when x_a is the root) and bidirectionally within itself. Block entry j >= 1 is trained with
+cross-entropy on x_{a+j} (the data's token: in the recipe, the target's own continuation), weighted decay^(j-1)
+so the early positions, which every accepted chain needs, count most. Context entries run once per row, causal
+per document, and are shared by all its blocks.
+
+Held-out metrics (CE, top-1 per block position) and the simulated τ (the greedy chain of the whole block at every
+held-out position on the target's greedy path) are logged at every ``train.eval_every`` and at the end.
+
+Reads top to bottom: setup (devices, target, data, draft, features), loop (shared Trainer), save.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from draftheads.data_prep.dataset import prepare_data, shifted_valid
+from draftheads.data_prep.features import batch_hidden
+from draftheads.heads import job
+from draftheads.heads.block import BlockDraft, block_config_for
+from draftheads.heads.target import FrozenTarget, load_target
+from draftheads.train.common import feature_source, heldout_evaluator
+from draftheads.train.losses import chunked_sum, chunked_topk, linear_cross_entropy
+from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accelerator, reference_ranks,
+                                   resolve_out_dir, save_run_config, write_summary)
+
+log = logging.getLogger(__name__)
+HELDOUT_NAMES = {"ce": "heldout_ce", "top1/j1": "heldout_top1"}
+EVAL_SEED = 1234  # held-out anchors are drawn from their own generator: evaluation never moves the training RNG
+
+
+def _doc_and_pos(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position document ids and position ids [B, T] (one document per row when the batch is not packed)."""
+    ids = batch["input_ids"]
+    B, T = ids.shape
+    if "doc_ids" in batch:
+        return batch["doc_ids"], batch["position_ids"]
+    ar = torch.arange(T, device=ids.device)[None].expand(B, T)
+    return torch.zeros_like(ids), ar
+
+
+class BlockObjective(nn.Module):
+    """Σ_j decay^(j-1) · CE(block entry j, x_{a+j}) over random anchors a (see the module doc)."""
+
+    def __init__(self, draft: BlockDraft, target: FrozenTarget, anchors: int = 32, decay: float = 0.8):
+        super().__init__()
+        if anchors < 1:
+            raise ValueError(f"head.anchors must be >= 1, got {anchors}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"head.decay must be in (0, 1], got {decay}")
+        self.draft = draft
+        object.__setattr__(self, "target", target)  # unregistered: never optimized, wrapped or saved
+        self.anchors, self.decay = int(anchors), float(decay)
+        self.n = draft.config.block_size
+        self.layers = list(draft.config.context_layers)  # what the features source must provide
+
+    def num_targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss's weight sum: anchors drawn per row (``head.anchors`` or fewer) times Σ_j decay^(j-1), so the
+        logged loss is about the weighted mean CE per drafted position (labels past a document's end are fewer)."""
+        per_row = shifted_valid(batch, 1).sum(1).clamp(max=self.anchors)
+        return per_row.sum() * sum(self.decay ** (j - 1) for j in range(1, self.n))
+
+    def _anchors(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors [B, m], valid [B, m]): up to ``head.anchors`` distinct random positions per row whose next
+        token is a label; held-out batches draw from a fixed generator."""
+        ok = shifted_valid(batch, 1)  # [B, T-1]
+        gen = None
+        if not self.training:
+            gen = torch.Generator(device=ok.device).manual_seed(EVAL_SEED)
+        score = torch.rand(ok.shape, generator=gen, device=ok.device)
+        score = torch.where(ok, score, torch.full_like(score, -1.0))
+        m = min(self.anchors, ok.shape[1])
+        top, idx = score.topk(m, dim=1)  # [B, m]
+        return idx, top >= 0
+
+    def blocks(self, batch: dict[str, torch.Tensor], hidden: dict[int, torch.Tensor], anchors: torch.Tensor,
+               ) -> torch.Tensor:
+        """Draft outputs [B, m, n, H] of the blocks rooted at ``anchors`` [B, m], all in one forward."""
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        m, n = anchors.shape[1], self.n
+        dev = ids.device
+        doc, pos = _doc_and_pos(batch)
+        ctx = self.draft.context(torch.cat([hidden[layer] for layer in self.layers], dim=-1))  # [B, T, H]
+        root = ids.gather(1, anchors)  # [B, m]
+        blk_ids = root[:, :, None].expand(B, m, n).reshape(B, m * n)
+        is_mask = (torch.arange(n, device=dev) > 0)[None, None].expand(B, m, n).reshape(B, m * n)
+        x = torch.cat([ctx, self.draft.block(blk_ids, is_mask)], dim=1)  # [B, T + m·n, H]
+        blk_pos = (pos.gather(1, anchors)[:, :, None] + torch.arange(n, device=dev)).reshape(B, m * n)
+        positions = torch.cat([pos, blk_pos], dim=1)  # [B, T + m·n]
+        S = T + m * n
+        allowed = torch.zeros(B, S, S, dtype=torch.bool, device=dev)
+        same = doc[:, :, None] == doc[:, None, :]  # [B, T, T]
+        allowed[:, :T, :T] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & same
+        a_doc = doc.gather(1, anchors)  # [B, m]
+        before = (torch.arange(T, device=dev)[None, None] < anchors[:, :, None]) & (doc[:, None] == a_doc[:, :, None])
+        allowed[:, T:, :T] = before[:, :, None].expand(B, m, n, T).reshape(B, m * n, T)  # [B, m·n, T]
+        own = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool, device=dev)] * m)  # [m·n, m·n]
+        allowed[:, T:, T:] = own[None]
+        h = self.draft(x, positions, allowed)  # [B, S, H]
+        return h[:, T:].reshape(B, m, n, -1)
+
+    def _labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor, j: int,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels [B, m] = x_{a+j}, ok [B, m]: a valid anchor whose x_{a+j} is a label of a's document)."""
+        ids = batch["input_ids"]
+        T = ids.shape[1]
+        doc, _ = _doc_and_pos(batch)
+        at = (anchors + j).clamp(max=T - 1)
+        lm = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+        ok = valid & (anchors + j < T) & lm.gather(1, at) & (doc.gather(1, at) == doc.gather(1, anchors))
+        return ids.gather(1, at), ok
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        hidden = batch_hidden(batch, self.target, self.layers)
+        anchors, valid = self._anchors(batch)
+        h = self.blocks(batch, hidden, anchors, )  # [B, m, n, H]
+        loss = torch.zeros((), device=h.device)
+        stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        total_ce, total_n = torch.zeros((), device=h.device), torch.zeros((), device=h.device)
+        for j in range(1, self.n):  # every position runs, even without labels: ZeRO-3/FSDP forwards are collective
+            labels, ok = self._labels(batch, anchors, valid, j)
+            rows, y = h[:, :, j][ok], labels[ok]  # [r, H], [r]
+            fused = linear_cross_entropy(rows, self.draft.frozen_lm_head(), y, 1)
+            ce, hits = fused if fused is not None else chunked_sum(self._chunk_ce, rows, y,
+                                                                   vocab=self.draft.config.vocab_size)
+            assert hits is not None
+            r = ok.sum().float()
+            loss = loss + self.decay ** (j - 1) * ce
+            stats[f"ce/j{j}"] = (ce.detach(), r)
+            stats[f"top1/j{j}"] = (hits[0], r)
+            total_ce, total_n = total_ce + ce.detach(), total_n + r
+        stats["ce"] = (total_ce, total_n)
+        return loss, stats
+
+    def _chunk_ce(self, rows: torch.Tensor, y: torch.Tensor, stats: bool = True):
+        z = self.draft.logits(rows).float()  # [r, V]
+        ce = torch.nn.functional.cross_entropy(z, y, reduction="sum")
+        return ce, ((z.argmax(-1) == y).sum().float().view(1) if stats else None)
+
+    @torch.no_grad()
+    def acceptance_ranks(self, batch: dict[str, torch.Tensor], top_k: int = 10) -> tuple[torch.Tensor, int]:
+        """Ranks [n, D] (D = block_size - 1) of the greedy reference among each block position's top-k, for the
+        loop's simulated τ: at every held-out position t on the target's greedy path (``greedy_windows``), the
+        block rooted at x_{t+1} after the context f_<=t — what one decoding step drafts there."""
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        D, L = self.n - 1, self.target.num_layers
+        hidden = batch_hidden(batch, self.target, sorted(set(self.layers) | {L}))
+        win, considered = greedy_windows(batch, hidden[L], self.target.lm_head(), D + 1)  # [B, T-D-1]
+        ranks = []
+        for b in range(B):
+            roots = win[b].nonzero()[:, 0] + 1  # anchors a = t + 1
+            for i in range(0, roots.numel(), 64):  # bounded blocks per forward
+                a = roots[i:i + 64]
+                row = {k: v[b:b + 1] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+                h = self.blocks(row, {k: v[b:b + 1] for k, v in hidden.items()}, a[None])[0]  # [m, n, H]
+                per = [reference_ranks(chunked_topk(h[:, j], self.draft.logits, top_k, self.draft.config.vocab_size),
+                                       ids[b, a + j], top_k) for j in range(1, D + 1)]
+                ranks.append(torch.stack(per, dim=1))
+        out = torch.cat(ranks) if ranks else torch.zeros(0, D, dtype=torch.long, device=ids.device)
+        return out, considered
+
+    def save_pretrained(self, path, extra: dict[str, Any]) -> None:
+        self.draft.save_pretrained(path, self.target.identity, extra)
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.draft.load_state_dict(state)
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Everything main() needs, exposed so tests can stop and resume the Trainer."""
+    acc = make_accelerator(cfg)
+    out_dir = resolve_out_dir(cfg)
+    target = load_target(cfg.target, device=acc.device)
+    with acc.main_process_first():
+        data = prepare_data(cfg.data, target.tokenizer)
+    h = cfg.head
+    layers = None if h.context_layers is None else [int(x) for x in h.context_layers]
+    head_cfg = block_config_for(target, layers, job.config_int(h, "num_layers", 2, 1, "head"),
+                                job.config_int(h, "block_size", 8, 2, "head"))
+    torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
+    draft = BlockDraft(head_cfg, target).to(acc.device)
+    objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay))
+    feats = feature_source(cfg, target, data, objective.layers)
+    if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_run_config(cfg, out_dir)
+        log.info("block draft: %d x %s, block %d, context layers %s, %.2fM trainable params; %d training examples; "
+                 "features %s", head_cfg.num_layers, type(draft.layers[0]).__name__, head_cfg.block_size,
+                 head_cfg.context_layers, sum(p.numel() for p in draft.parameters()) / 1e6, len(data.train),
+                 feats.source)
+    extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
+             "features": feats.source}
+    evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens),
+                                 extra, HELDOUT_NAMES)
+    trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
+                      heldout=data.heldout, heldout_collate=feats.heldout_collate,
+                      tau_eval=build_tau_evaluator(cfg, target, data))
+    return {"trainer": trainer, "objective": objective, "acc": acc, "out_dir": out_dir, "source": feats.source}
+
+
+def main(cfg: DictConfig) -> dict[str, Any]:
+    # ---- setup
+    b = build(cfg)
+    # ---- loop
+    result = b["trainer"].fit()
+    # ---- save
+    return write_summary(b["acc"], b["out_dir"], "block", result, features=b["source"])
+
+
+@job.main(config_name="block")
+def _hydra_main(cfg: DictConfig) -> None:
+    main(cfg)
+
+
+if __name__ == "__main__":
+    _hydra_main()
