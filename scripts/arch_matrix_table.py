@@ -25,7 +25,7 @@ MD_PATH = REPO / "docs" / "architectures.md"
 OUT_ENV = "DRAFTHEADS_ARCH_MATRIX_OUT"  # where the test module writes the outcomes of the cells it ran
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "olmo2", "gpt_oss")
-FAMILIES = ("medusa", "eagle", "eagle3")
+FAMILIES = ("medusa", "eagle", "eagle3", "block")
 CHECKS = ("train", "load", "greedy", "ttt", "export")
 WINDOW = 16  # sliding window of the architectures that have one
 EAGER_ONLY = ("gemma2", "gpt_oss")  # no sdpa attention in transformers: the target runs eager attention
@@ -185,7 +185,7 @@ def run_matrix(extra: list[str]) -> int:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "cells.json"
         env = {**os.environ, OUT_ENV: str(out)}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "slow", "-p", "no:cacheprovider",
+        cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "slow", "-p", "no:cacheprovider",
                "tests/test_arch_matrix.py", *extra]
         rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
         if not out.is_file():
