@@ -109,7 +109,7 @@ def render(data: dict[str, Any]) -> str:
         "python train/eagle3.py target=hf target.name=/path/to/model data=file data.path=my_chats.jsonl",
         "```",
         "",
-        "`train/medusa.py` and `train/eagle.py` take the same arguments (`draftheads train eagle3 ...` is the same "
+        "`train/medusa.py`, `train/eagle.py` and `train/block.py` take the same arguments (`draftheads train eagle3 ...` is the same "
         "command). Gemma 2 and gpt-oss have no sdpa attention in transformers: add "
         "`target.attn_implementation=eager`. Then `python eval/acceptance.py checkpoint=runs/<run>/final "
         "target=hf target.name=/path/to/model` checks greedy identity and measures τ on your prompts. A GGUF file is "
