@@ -126,6 +126,70 @@ def test_rollout_in_query_blocks_equals_dense_rollout_with_gradients(monkeypatch
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()) + 1e-8)
 
 
+@pytest.mark.parametrize("arch,norm_before_residual", [("llama", False), ("gemma3_text", True), ("gpt_oss", False)])
+def test_checkpointed_rollout_steps_equal_the_plain_rollout(arch, norm_before_residual, monkeypatch):
+    """Under grad the rollout recomputes each step's pieces around its attention in backward (torch.utils.checkpoint,
+    for memory): the objective's loss and stats, the rollout's outputs and every parameter gradient equal those of
+    the rollout without it (every intermediate kept, the original computation), and a step keeps fewer bytes for
+    backward. Gemma 3: q/k norms, head_dim != H/nh, norm_before_residual; gpt-oss: sinks and an MLP tuple."""
+    from functools import partial
+
+    from transformers import AutoModelForCausalLM
+
+    from draftheads.scripts.arch_matrix_table import arch_config
+    from draftheads.train.eagle3 import Eagle3Objective
+
+    torch.manual_seed(1)
+    tgt = from_model(AutoModelForCausalLM.from_config(arch_config(arch)).eval())
+    d = _draft(tgt, dv=40, scale=0.3, norm_before_residual=norm_before_residual)
+    g = torch.Generator().manual_seed(0)
+    B, T, k = 2, 10, 3
+    ids = torch.randint(3, tgt.vocab_size, (B, T), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long),
+             "loss_mask": torch.tensor([[0, 0] + [1] * 8, [0, 1, 1, 0, 1, 1, 1, 1, 1, 1]])}
+    params = [p for p in d.parameters() if p.requires_grad]
+
+    def run(checkpoint: bool):
+        monkeypatch.setattr(d, "rollout", partial(Eagle3Draft.rollout, d, checkpoint=checkpoint))
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, stats = Eagle3Objective(d, tgt, ttt_steps=k, decay=0.8)(batch)
+        # allow_unused: the draft runs a Gemma layer's residual path as Llama's (its pre/post-feedforward norms idle)
+        return loss, stats, torch.autograd.grad(loss, params, allow_unused=True), sum(saved.values())
+
+    loss_ref, st_ref, g_ref, saved_ref = run(checkpoint=False)
+    loss, st, g_got, saved_got = run(checkpoint=True)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+    flat = lambda stats: {f"{n}.{i}": float(x) for n, v in stats.items() for i, x in enumerate(v)}  # noqa: E731
+    assert flat(st) == pytest.approx(flat(st_ref), rel=1e-6)
+    for a, b in zip(g_got, g_ref):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()) + 1e-10)
+    assert saved_got < saved_ref
+    # the rollout's own outputs, with and without, against random output weights
+    aux = torch.randn(1, T - 1, 3 * tgt.hidden_size, generator=g)
+    toks = torch.randint(0, tgt.vocab_size, (1, T - 1 + k - 1), generator=g)
+    step0, pos = torch.ones(T - 1, T - 1, dtype=torch.bool).tril()[None], torch.arange(T - 1)[None]
+    w = [torch.randn(1, T - 1, tgt.hidden_size, generator=g) for _ in range(k)]
+    res = []
+    for ck in (False, True):
+        outs = Eagle3Draft.rollout(d, aux, toks, pos, step0, k, checkpoint=ck)
+        res.append((outs, torch.autograd.grad(sum((o * w_).sum() for o, w_ in zip(outs, w)), params,
+                                              allow_unused=True)))  # the final norm and lm_head: unused
+    for a, b in zip(res[1][0], res[0][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the forward runs the same operations
+    for a, b in zip(res[1][1], res[0][1]):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()) + 1e-10)
+
+
 def test_rollout_equals_dense_rollout_and_drafting_along_a_chain():
     """Training-time test == what the drafter computes: step s at the last prompt position t reads the draft's
     step s-1 output with token x_{t+1+s} at position t+s, attending to the committed prefix and its own chain —
