@@ -59,7 +59,7 @@ def check_aux_layers(aux: Sequence[int], num_layers: int, where: str = "head.aux
     """Aux layers must be distinct hidden-state indices 0..L-1 (the input of decoder layer i)."""
     aux = [int(a) for a in aux]
     if not aux:
-        raise ValueError(f"{where} is empty: EAGLE-3 fuses at least one target layer")
+        raise ValueError(f"{where} is empty: the draft fuses at least one target layer")
     bad = [a for a in aux if not 0 <= a < num_layers]
     if bad:
         raise ValueError(f"{where} {aux}: layer ids {bad} are outside the target's depth; valid ids are "

@@ -123,7 +123,7 @@ class BlockObjective(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]):
         hidden = batch_hidden(batch, self.target, self.layers)
         anchors, valid = self._anchors(batch)
-        h = self.blocks(batch, hidden, anchors, )  # [B, m, n, H]
+        h = self.blocks(batch, hidden, anchors)  # [B, m, n, H]
         loss = torch.zeros((), device=h.device)
         stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         total_ce, total_n = torch.zeros((), device=h.device), torch.zeros((), device=h.device)
