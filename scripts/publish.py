@@ -81,6 +81,12 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _title(family: str) -> str:
+    """The registered family's model-card title ("EAGLE-3 draft"); its name for an unknown or untitled one."""
+    f = registry.FAMILIES.get(family)
+    return (f.title if f else "") or family
+
+
 def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary: dict[str, Any] | None,
                taus: list[dict[str, Any]], license_id: str, n_params: int, weights_dtype: str | None = None,
                made_by: str | None = None, commit: str | None = None) -> str:
@@ -294,9 +300,3 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     _hydra_main()
-
-
-def _title(family: str) -> str:
-    """The registered family's model-card title ("EAGLE-3 draft"); its name for an unknown or untitled one."""
-    f = registry.FAMILIES.get(family)
-    return (f.title if f else "") or family

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # a worker's subprocesses share the cores with the other workers
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS", _share)
+    os.environ.setdefault("MKL_NUM_THREADS", _share)
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
