@@ -25,10 +25,12 @@ class Family:
     shape: str  # "module:attr" of its draft shape (eval/shapes.py: what it proposes each step, how tree=auto sizes it)
     summary: str  # one line for help texts
     title: str = ""  # what a model card calls a published head ("EAGLE-3 draft"); the name when empty
+    exporter: str = ""  # module with FORMATS and export_job(cfg, target, out, dtype, verifier) (scripts/export.py)
 
     def load(self, part: str) -> Any:
-        """The object behind ``head``, ``drafter`` or ``shape``, imported now."""
-        return _load(getattr(self, part))
+        """The object behind ``head``, ``drafter``, ``shape`` or ``exporter`` (a module), imported now."""
+        spec = getattr(self, part)
+        return _load(spec) if ":" in spec else importlib.import_module(spec)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ register(Family("eagle", "draftheads.heads.eagle:EagleDraft", "draftheads.eval.e
                 "EAGLE draft"))
 register(Family("eagle3", "draftheads.heads.eagle3:Eagle3Draft", "draftheads.eval.eagle3_drafter:build_eagle3_drafter",
                 "draftheads.train.eagle3", f"{SHAPES}:DYNAMIC",
-                "EAGLE-3: fused low/mid/high features, training-time test, draft vocabulary", "EAGLE-3 draft"))
+                "EAGLE-3: fused low/mid/high features, training-time test, draft vocabulary", "EAGLE-3 draft",
+                exporter="draftheads.scripts.export"))
 register(Family("block", "draftheads.heads.block:BlockDraft", "draftheads.eval.block_drafter:build_block_drafter",
                 "draftheads.train.block", "draftheads.eval.block_drafter:SHAPE",
                 "Block draft (DFlash-style): a few layers draft a whole block in one forward", "Block draft"))

@@ -1,4 +1,8 @@
-"""Export a trained EAGLE-3 draft for serving engines: ``python scripts/export.py checkpoint=DIR format=FMT``.
+"""Export a trained draft for serving engines: ``python scripts/export.py checkpoint=DIR format=FMT``.
+
+The checkpoint's family names its exporter in heads/registry.py (a module with ``FORMATS`` and ``export_job``);
+this job checks the output folder, loads the target and hands over. EAGLE-3's exporter is this module; the block
+draft's is heads/block_export.py (speculators ``dflash``). What follows is EAGLE-3's.
 
 Formats (each a directory with ``config.json`` + ``model.safetensors``):
 
@@ -308,10 +312,46 @@ def speculators_roundtrip(draft: Eagle3Draft, target: FrozenTarget, export_dir: 
     return result
 
 
+def export_job(cfg: DictConfig, target: FrozenTarget, out: Path, dtype: torch.dtype, verifier: str) -> dict[str, Any]:
+    """EAGLE-3's exporter (heads/registry.py): load, write, re-check, optionally round-trip."""
+    if cfg.get("speculators_python"):
+        assert target.dtype == torch.float32, "the round trip compares fp32 logits"
+    draft = Eagle3Draft.from_pretrained(cfg.checkpoint, target, bool(cfg.allow_target_mismatch))
+    ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
+    steps = job.config_int(cfg, "speculative_tokens", int(ck.get("ttt_steps") or 3), 1)  # null: the trained k
+    export(draft, target, out, cfg.format, verifier, steps, dtype)
+    verify_export(out, draft, cfg.format)
+    summary = {"out": str(out), "format": cfg.format, "verifier": verifier, "dtype": cfg.dtype,
+               "aux_layers": draft.config.aux_layers, "draft_vocab_size": draft.config.draft_vocab_size,
+               "speculative_tokens": steps}
+    if cfg.get("speculators_python"):
+        summary["speculators_roundtrip"] = speculators_roundtrip(draft, target, out, cfg.speculators_python, steps)
+    return summary
+
+
+def _exporter(checkpoint: str) -> Any:
+    """The exporter module (``FORMATS``, ``export_job``) of the checkpoint's family, from the registry."""
+    from draftheads.heads import registry
+
+    path = Path(checkpoint) / "config.json"
+    try:
+        family = json.loads(path.read_text()).get("family")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint={checkpoint}: cannot read {path} ({e}); point checkpoint at a head directory "
+                         f"written by a training job") from None
+    fam = registry.get(str(family))
+    if not fam.exporter:
+        have = [f.name for f in registry.FAMILIES.values() if f.exporter]
+        raise ValueError(f"checkpoint={checkpoint}: family {family!r} has no exporter; families that export: "
+                         f"{', '.join(have)}")
+    return fam.load("exporter")
+
+
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
-    if cfg.format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {cfg.format!r}")
+    exporter = _exporter(str(cfg.checkpoint))
+    if cfg.format not in exporter.FORMATS:
+        raise ValueError(f"format must be one of {exporter.FORMATS} for this checkpoint's family, got {cfg.format!r}")
     dtype = parse_dtype(cfg.dtype)
     check = cfg.get("speculators_python")
     if check and cfg.format != "speculators":
@@ -326,19 +366,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     tcfg = TargetConfig(**{**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__},
                            "dtype": "fp32" if check else cfg.dtype})
     target = load_target(tcfg)
-    draft = Eagle3Draft.from_pretrained(cfg.checkpoint, target, bool(cfg.allow_target_mismatch))
-    ck = json.loads((Path(cfg.checkpoint) / "config.json").read_text())
-    steps = job.config_int(cfg, "speculative_tokens", int(ck.get("ttt_steps") or 3), 1)  # null: the trained k
     verifier = cfg.verifier or resolve_target(tcfg)[0]
-    # ---- export + check
-    export(draft, target, out, cfg.format, verifier, steps, dtype)
-    verify_export(out, draft, cfg.format)
-    summary = {"out": str(out), "format": cfg.format, "verifier": verifier, "dtype": cfg.dtype,
-               "aux_layers": draft.config.aux_layers, "draft_vocab_size": draft.config.draft_vocab_size,
-               "speculative_tokens": steps}
-    if check:
-        # ---- round trip through the speculators package
-        summary["speculators_roundtrip"] = speculators_roundtrip(draft, target, out, check, steps)
+    # ---- export + check (+ the round trip through the speculators package)
+    summary = exporter.export_job(cfg, target, out, dtype, verifier)
     log.info("exported: %s", json.dumps(summary))
     print(json.dumps(summary), flush=True)
     return summary

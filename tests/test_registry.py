@@ -29,6 +29,10 @@ def test_every_family_part_resolves() -> None:
     assert registry.shape_of("medusa-init") is shapes.STATIC and registry.shape_of("plain") is shapes.NONE
     for b in registry.BASELINES.values():
         assert callable(b.load("drafter")), b.name
+    exporters = {f.name: f.load("exporter") for f in registry.FAMILIES.values() if f.exporter}
+    assert set(exporters) == {"eagle3"}
+    for mod in exporters.values():
+        assert mod.FORMATS and callable(mod.export_job)
 
 
 def test_unknown_family_names_the_registered_ones() -> None:
@@ -125,7 +129,7 @@ def test_a_toy_family_registered_here_decodes_through_measure(monkeypatch: pytes
 SHARED = ["eval/drafters.py", "eval/measure.py", "eval/measure_methods.py", "eval/measure_run.py",
           "eval/measure_summary.py", "eval/autotree.py", "eval/autotree_knobs.py", "eval/autotree_model.py",
           "eval/acceptance.py", "scripts/publish.py", "draftheads/cli.py", "pipeline/tau_eval.py",
-          "pipeline/eval_after.py"]
+          "pipeline/eval_after.py", "scripts/export.py"]
 
 
 # code that serves every drafter: no comparison against a shape or baseline name either (shapes decide)
