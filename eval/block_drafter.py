@@ -5,7 +5,8 @@ Bookkeeping (cur = tokens in the target's cache; the root x_cur is the last acce
 * The draft's cache holds one *committed* context entry per position t < cur, made from the target's hidden
   states at t. After the prefill those are positions 0..cur-1; after a step, the target's hidden states of the
   root and the accepted drafts arrive through ``accept`` and are committed on the next ``propose``.
-* ``propose`` commits the pending context entries (causal among themselves), then runs the block
+* ``propose`` commits the pending context entries (prefix layout: run causally through the layers; kv layout:
+  only projected to each layer's keys and values), then runs the block
   [root, mask, ..., mask] at positions cur..cur+n; block entries attend to all committed entries and to each
   other. Entry j >= 1 gives the draft's distribution of the token j places after the root. The block's keys
   and values are dropped again, so the cache always equals a fresh prefill of the accepted text's context.
@@ -92,8 +93,12 @@ class BlockDrafter:
         is_mask = torch.arange(n, device=dev)[None] > 0  # [1, n]: entry 0 is the root
         x = self.draft.block(ids, is_mask)  # [1, n, H]
         allowed = torch.ones(1, n, c + n, dtype=torch.bool, device=dev)
-        h = self.draft(x, torch.arange(c, c + n, device=dev)[None], allowed, self.cache)[0, 1:]  # [k, H]
-        self.cache.crop(c)  # the block's entries are never committed
+        if self.draft.kv:
+            ctx = [(cache.k[..., :c, :], cache.v[..., :c, :]) for cache in self.cache.caches]
+            h = self.draft(x, torch.arange(c, c + n, device=dev)[None], allowed, ctx)[0, 1:]  # [k, H]
+        else:
+            h = self.draft(x, torch.arange(c, c + n, device=dev)[None], allowed, self.cache)[0, 1:]  # [k, H]
+            self.cache.crop(c)  # the block's entries are never committed
         logits = self.draft.logits(h).float()  # [k, V]
         probs = None
         if sampling is None:
@@ -118,9 +123,14 @@ class BlockDrafter:
         if m:
             dev = self.device
             x = self.draft.context(self._pending.to(dev)[None])  # [1, m, H]
-            allowed = torch.ones(1, m, c + m, dtype=torch.bool, device=dev)
-            allowed[0, :, c:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-            self.draft(x, torch.arange(c, c + m, device=dev)[None], allowed, self.cache)
+            pos = torch.arange(c, c + m, device=dev)[None]
+            if self.draft.kv:
+                for cache, (k, v) in zip(self.cache.caches, self.draft.context_kv(x, pos)):
+                    cache.update(k, v)
+            else:
+                allowed = torch.ones(1, m, c + m, dtype=torch.bool, device=dev)
+                allowed[0, :, c:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+                self.draft(x, pos, allowed, self.cache)
             self.committed += m
         self._pending = self._pending[:0]
 

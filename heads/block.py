@@ -8,9 +8,12 @@ context entry before the root and bidirectionally to each other. The final norm 
 turn block entry j >= 1 into logits for the token j places after the root. So one draft forward proposes
 ``block_size - 1`` tokens, where EAGLE needs one forward per depth.
 
-The layers are the target family's own decoder layers (full attention), as for EAGLE. The embedding and lm_head
-are the target's, held unregistered: never trained, never saved. The checkpoint records the target identity, so
-loading it for another target is refused.
+``context`` picks how block entries see the context. ``prefix``: context entries run through the draft's layers
+(the target family's own decoder layers, full attention, as for EAGLE) as a causal prefix, and mask entries are one
+learned vector. ``kv`` (DFlash, the layout ``speculators`` exports): the normed fused context becomes each layer's
+keys and values directly (heads/block_layers.py), and mask entries are the frozen embedding of ``mask_token_id``.
+The embedding and lm_head are the target's, held unregistered: never trained, never saved. The checkpoint records
+the target identity, so loading it for another target is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from draftheads.heads.block_layers import KV, InjectedLayer, context_kv, kv_layer_config, kv_rotary
 from draftheads.heads.checkpoint import read_head, save_head
 from draftheads.heads.eagle import (_base, _layer_fields, attention_bias, draft_layer_config, family_init,
                                     rotary_kwargs)
@@ -31,6 +37,7 @@ from draftheads.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "block"
+CONTEXT_MODES = ("prefix", "kv")
 
 
 @dataclass
@@ -44,8 +51,16 @@ class BlockConfig:
     num_layers: int = 2  # draft decoder layers
     block_size: int = 8  # root + block_size - 1 drafted tokens per forward
     layer_config: dict[str, Any] = field(default_factory=dict)  # target-config fields the draft layers were built from
+    context: str = "prefix"  # prefix | kv (checkpoints without the field are prefix drafts)
+    mask_token_id: int | None = None  # kv: the token whose frozen embedding fills mask entries
 
     def __post_init__(self) -> None:
+        if self.context not in CONTEXT_MODES:
+            raise ValueError(f"head.context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
+        if self.context == "kv" and self.vocab_size and not (
+                self.mask_token_id is not None and 0 <= self.mask_token_id < self.vocab_size):
+            raise ValueError(f"head.mask_token_id must be a token id in [0, {self.vocab_size}) for head.context=kv, "
+                             f"got {self.mask_token_id!r}")
         if self.num_layers < 1:
             raise ValueError(f"head.num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
@@ -55,15 +70,35 @@ class BlockConfig:
             self.context_layers = check_aux_layers(self.context_layers, self.num_target_layers, "head.context_layers")
 
 
+def default_mask_token(target: FrozenTarget) -> int:
+    """A token that fills mask entries in ``context=kv``: the pad token when it is not the end-of-turn token, else
+    the highest-id special token that is neither bos, eos nor pad, else the last vocabulary id."""
+    cfg = target.config
+    ends: set[int] = set()
+    for name in ("eos_token_id", "bos_token_id"):
+        v = getattr(cfg, name, None)
+        ends |= set(v) if isinstance(v, (list, tuple)) else {v} if isinstance(v, int) else set()
+    pad = getattr(cfg, "pad_token_id", None)
+    if isinstance(pad, int) and pad not in ends:
+        return pad
+    tok = target.tokenizer
+    special = sorted(i for i in (getattr(tok, "all_special_ids", None) or [])
+                     if i not in ends and i != pad and 0 <= i < target.vocab_size)
+    return special[-1] if special else target.vocab_size - 1
+
+
 def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None = None, num_layers: int = 2,
-                     block_size: int = 8) -> BlockConfig:
+                     block_size: int = 8, context: str = "prefix", mask_token_id: int | None = None,
+                     ) -> BlockConfig:
     L = target.num_layers
     # low/mid/high like EAGLE-3; shallow targets (under 7 layers) get the distinct ones of that choice
     layers = sorted({min(max(a, 0), L - 1) for a in default_aux_layers(L)}) if context_layers is None \
         else list(context_layers)
     return BlockConfig(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=L,
                        context_layers=check_aux_layers(layers, L, "head.context_layers"), num_layers=int(num_layers),
-                       block_size=int(block_size), layer_config=_layer_fields(target.config))
+                       block_size=int(block_size), layer_config=_layer_fields(target.config), context=context,
+                       mask_token_id=(mask_token_id if mask_token_id is not None else default_mask_token(target))
+                       if context == "kv" else None)
 
 
 class BlockDraft(nn.Module):
@@ -84,30 +119,39 @@ class BlockDraft(nn.Module):
             lc.layer_types = ["full_attention"] * config.num_layers
         self.layer_config = lc
         base = _base(target)
+        self.kv = config.context == "kv"
         self.fc = nn.Linear(len(config.context_layers) * H, H, bias=False)
-        norm_cls, eps = type(base.norm), float(getattr(lc, "rms_norm_eps", 1e-6))
+        eps = float(getattr(lc, "rms_norm_eps", 1e-6))
+        norm_cls = Qwen3RMSNorm if self.kv else type(base.norm)  # kv: plain RMSNorm everywhere, as DFlash
         self.context_norm = norm_cls(H, eps=eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(H))
-        layer_cls = type(target.decoder_layers()[0])  # the target family's own layer
-        self.layers = nn.ModuleList([layer_cls(lc, layer_idx=i) for i in range(config.num_layers)])
+        if self.kv:
+            lc = kv_layer_config(lc)
+            self.layer_config = lc
+            self.layers = nn.ModuleList([InjectedLayer(lc) for _ in range(config.num_layers)])
+        else:
+            self.mask_embedding = nn.Parameter(torch.zeros(H))
+            layer_cls = type(target.decoder_layers()[0])  # the target family's own layer
+            self.layers = nn.ModuleList([layer_cls(lc, layer_idx=i) for i in range(config.num_layers)])
+            params = inspect.signature(layer_cls.forward).parameters
+            self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.norm = norm_cls(H, eps=eps)
-        self.rotary = type(base.rotary_emb)(config=lc)
-        self._rope_kw = rotary_kwargs(self.rotary, lc)
-        for layer in self.layers:
-            family_init(layer, target)
+        self.rotary = kv_rotary(lc) if self.kv else type(base.rotary_emb)(config=lc)
+        self._rope_kw = {} if self.kv else rotary_kwargs(self.rotary, lc)
+        if not self.kv:
+            for layer in self.layers:
+                family_init(layer, target)
         std = float(getattr(lc, "initializer_range", 0.02))
         for m in [self.fc, *self.layers.modules()]:
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0.0, std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        nn.init.normal_(self.mask_embedding, 0.0, std)
-        if isinstance(base.norm, norm_cls):  # start at the target's output scale: its lm_head reads its final norm
-            self.norm.load_state_dict(base.norm.state_dict())
+        if not self.kv:
+            nn.init.normal_(self.mask_embedding, 0.0, std)
+            if isinstance(base.norm, norm_cls):  # start at the target's output scale: its lm_head reads its norm
+                self.norm.load_state_dict(base.norm.state_dict())
         object.__setattr__(self, "_embed", target.embed_tokens())
         object.__setattr__(self, "_lm_head", target.lm_head())
-        params = inspect.signature(layer_cls.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @property
     def attn_impl(self) -> str:
@@ -117,7 +161,8 @@ class BlockDraft(nn.Module):
         """Cast the trainable weights for inference; rotary frequencies stay fp32."""
         for m in (self.fc, self.context_norm, self.layers, self.norm):
             m.to(dtype)
-        self.mask_embedding.data = self.mask_embedding.data.to(dtype)
+        if not self.kv:
+            self.mask_embedding.data = self.mask_embedding.data.to(dtype)
         return self
 
     def context(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -126,12 +171,29 @@ class BlockDraft(nn.Module):
 
     def block(self, ids: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
         """[B, N] token ids and mask flags -> [B, N, H] block entries (a mask entry ignores its id)."""
+        if self.kv:  # the mask token's frozen embedding, as engines loading a DFlash export compute it
+            ids = torch.where(is_mask, torch.full_like(ids, int(self.config.mask_token_id)), ids)
+            return self._embed(ids).to(self.fc.weight.dtype)  # [B, N, H]
         e = self._embed(ids).to(self.fc.weight.dtype)  # [B, N, H]
         return torch.where(is_mask[..., None], self.mask_embedding.to(e.dtype), e)
 
+    def context_kv(self, ctx: torch.Tensor, position_ids: torch.Tensor) -> list[KV]:
+        """kv: context entries [B, T, H] (from :meth:`context`) at positions [B, T] -> each layer's keys/values."""
+        assert self.kv, "context_kv is the kv layout's"
+        cos, sin = self.rotary(ctx, position_ids, **self._rope_kw)
+        return context_kv(self.layers, ctx, cos.to(ctx.dtype), sin.to(ctx.dtype))
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor, cache: Any = None,
                 ) -> torch.Tensor:
-        """Entries x [B, S, H] at positions [B, S]; ``allowed`` [B, S, K] (K = cached + S) -> [B, S, H] normed."""
+        """Entries x [B, S, H] at positions [B, S] -> [B, S, H] normed. ``allowed`` [B, S, K]: prefix, K = cached +
+        S and ``cache`` the layers' KV cache (or None); kv, K = T + S and ``cache`` the layers' context keys/values
+        [B, nkv, T, d] (:meth:`context_kv`)."""
+        if self.kv:
+            cos, sin = self.rotary(x, position_ids, **self._rope_kw)
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            for layer, ctx in zip(self.layers, cache):
+                x = layer(x, cos, sin, ctx, allowed)
+            return self.norm(x)
         pos_emb = self.rotary(x, position_ids, **self._rope_kw)
         mask = attention_bias(allowed, self.attn_impl, x.dtype)
         for layer in self.layers:

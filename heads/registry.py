@@ -96,7 +96,8 @@ register(Family("eagle3", "draftheads.heads.eagle3:Eagle3Draft", "draftheads.eva
                 exporter="draftheads.scripts.export"))
 register(Family("block", "draftheads.heads.block:BlockDraft", "draftheads.eval.block_drafter:build_block_drafter",
                 "draftheads.train.block", "draftheads.eval.block_drafter:SHAPE",
-                "Block draft (DFlash-style): a few layers draft a whole block in one forward", "Block draft"))
+                "Block draft (DFlash-style): a few layers draft a whole block in one forward", "Block draft",
+                exporter="draftheads.heads.block_export"))
 register_baseline(Baseline("prompt_lookup", "draftheads.eval.baselines:build_prompt_lookup", f"{SHAPES}:LOOKUP",
                            "prompt lookup: copy the continuation of the last n-gram seen earlier"))
 register_baseline(Baseline("draft_model", "draftheads.eval.baselines:build_draft_model", f"{SHAPES}:DRAFT_MODEL",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end check of the CUDA path in ~2 minutes on one GPU: every trainer (Medusa, EAGLE, EAGLE-3) for a few
+# End-to-end check of the CUDA path in ~2 minutes on one GPU: every trainer (Medusa, EAGLE, EAGLE-3, block) for a few
 # steps with held-out evals and checkpoints, an EAGLE-3 resume, then the measurement job in fp32 with all three
 # heads (greedy identity vs plain decoding is checked and reported) and one sampled run with the exact rule; last, the
 # distillation engine on the GPU: its fp32 greedy records against generate one prompt at a time (must be identical),
@@ -25,10 +25,12 @@ python train/eagle.py "${C[@]}" train.max_steps="$STEPS" out_dir="$RUN/eagle" & 
 python train/medusa.py "${C[@]}" train.max_steps="$STEPS" out_dir="$RUN/medusa" & p3=$!
 wait $p1; wait $p2; wait $p3  # set -e: any failed trainer stops the script
 python train/eagle3.py "${C[@]}" head.draft_vocab_size=8192 train.max_steps="$STEPS" train.resume=true out_dir="$RUN/eagle3"
+python train/block.py "${C[@]}" train.max_steps="$STEPS" out_dir="$RUN/block"
 T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done  # measure takes only the target overrides
 python eval/measure.py "${T[@]}" target.dtype=fp32 data=sharegpt_small out_dir="$RUN/measure" "${QARG[@]}" \
   max_questions=2 max_turns=1 max_new_tokens=24 'methods=[plain,prompt_lookup]' \
   +heads.eagle3="$RUN/eagle3/final" +heads.eagle="$RUN/eagle/final" +heads.medusa="$RUN/medusa/final" \
+  +heads.block="$RUN/block/final" \
   'temperatures=[0.7]' 'sweep.methods=[]' 'profile.widths=[1,8]' profile.repeats=1 warmup_tokens=2
 grep -m1 "Fastest trained head" "$RUN/measure/report.md"
 D=("${T[@]}" data=sharegpt_small target.dtype=fp32 device="$DEVICE" num_conversations="${DISTILL_N:-12}" max_new_tokens=24)

@@ -23,9 +23,13 @@ from draftheads.train.block import BlockObjective
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _draft(tgt, block: int = 5, layers=(1, 2, 3), scale: float = 0.3, seed: int = 0) -> BlockDraft:
+CONTEXTS = pytest.mark.parametrize("context", ["prefix", "kv"])
+
+
+def _draft(tgt, block: int = 5, layers=(1, 2, 3), scale: float = 0.3, seed: int = 0, context: str = "prefix",
+           ) -> BlockDraft:
     torch.manual_seed(seed)
-    d = BlockDraft(block_config_for(tgt, list(layers), 2, block), tgt)
+    d = BlockDraft(block_config_for(tgt, list(layers), 2, block, context), tgt)
     for p in d.parameters():
         p.data.normal_(0, scale) if p.ndim > 1 else p.data.uniform_(0.5, 1.5)
     return d
@@ -35,12 +39,13 @@ def _batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
 
 
-def test_training_blocks_are_what_decoding_drafts():
+@CONTEXTS
+def test_training_blocks_are_what_decoding_drafts(context):
     """The block training scores for an anchor a (context before a, root x_a) has exactly the distributions the
     drafter proposes from after a prefill of x_<a with root x_a; a block that saw the anchor's own context entry
     (one position too many) does not."""
     tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
-    d = _draft(tgt)
+    d = _draft(tgt, context=context)
     obj = BlockObjective(d, tgt, anchors=4).eval()
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     hidden = batch_hidden(_batch(ids), tgt, obj.layers)
@@ -57,10 +62,11 @@ def test_training_blocks_are_what_decoding_drafts():
         assert (leaky.draft_probs[1:] - p_train).abs().max() > 1e-3
 
 
+@CONTEXTS
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_greedy_block_decoding_equals_plain_and_accepts_drafts(kind):
+def test_greedy_block_decoding_equals_plain_and_accepts_drafts(kind, context):
     tgt = from_model(tiny_model(kind, vocab_size=6, seed=3))
-    d = _draft(tgt, block=4)
+    d = _draft(tgt, block=4, context=context)
     accepted = 0
     for prompt in ([1, 2, 3, 4, 5], [int(x) for x in torch.randint(0, 6, (30,), generator=torch.Generator()
                                                                      .manual_seed(1))]):
@@ -72,9 +78,10 @@ def test_greedy_block_decoding_equals_plain_and_accepts_drafts(kind):
     assert accepted > 0  # the accept path ran (and the rejected-draft rollback around it)
 
 
-def test_draft_cache_after_steps_equals_a_fresh_prefill():
+@CONTEXTS
+def test_draft_cache_after_steps_equals_a_fresh_prefill(context):
     tgt = from_model(tiny_model("llama", vocab_size=6, seed=3))
-    d = _draft(tgt, block=4)
+    d = _draft(tgt, block=4, context=context)
     drafter = BlockDrafter(d)
     prompt = [int(x) for x in torch.randint(0, 6, (30,), generator=torch.Generator().manual_seed(1))]
     res = generate(tgt, drafter, prompt, 25)
@@ -92,11 +99,12 @@ def test_draft_cache_after_steps_equals_a_fresh_prefill():
         torch.testing.assert_close(a.v[..., :a.length, :], b.v[..., :b.length, :], rtol=1e-4, atol=1e-5)
 
 
-def test_anchors_attend_only_to_their_context_and_block():
+@CONTEXTS
+def test_anchors_attend_only_to_their_context_and_block(context):
     """Changing a token after an anchor's block, or a context entry in another document, leaves that block's
     outputs unchanged; changing a token inside its context changes them."""
     tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
-    d = _draft(tgt)
+    d = _draft(tgt, context=context)
     obj = BlockObjective(d, tgt).eval()
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     a = torch.tensor([[10]])
@@ -152,12 +160,13 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, cha
         build_drafter("block", tgt, str(tmp_path / "full" / "final"), OmegaConf.create({"kind": "dynamic"}), tgt.dtype)
 
 
-def test_a_block_learns_a_pattern_at_every_position():
+@CONTEXTS
+def test_a_block_learns_a_pattern_at_every_position(context):
     """On a fixed batch of counting rows, 60 AdamW steps take every block position's top-1 from chance (1/64) to
     >= 0.75: the context, the root and the bidirectional block attention all carry what the masks let them."""
     tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
     torch.manual_seed(0)
-    d = BlockDraft(block_config_for(tgt, [1, 2, 3], 2, 4), tgt)
+    d = BlockDraft(block_config_for(tgt, [1, 2, 3], 2, 4, context), tgt)
     obj = BlockObjective(d, tgt, anchors=8).train()
     ids = torch.tensor([[(i % 10) + 5 for i in range(40)]] * 4)
     batch = _batch(ids)
@@ -173,10 +182,11 @@ def test_a_block_learns_a_pattern_at_every_position():
     assert max(first.values()) < 0.2 and min(last.values()) >= 0.75, (first, last)
 
 
-def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_target_dir, tiny_qwen2_dir):
+@CONTEXTS
+def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_target_dir, tiny_qwen2_dir, context):
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32", "local_files_only": True})
     other = load_target({"name": str(tiny_qwen2_dir), "dtype": "fp32", "local_files_only": True})
-    d = _draft(tgt)
+    d = _draft(tgt, context=context)
     d.save_pretrained(tmp_path / "b", tgt.identity)
     back = BlockDraft.from_pretrained(tmp_path / "b", tgt)
     for k, v in d.state_dict().items():

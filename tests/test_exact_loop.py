@@ -69,7 +69,7 @@ def _save_head(family: str, tgt: FrozenTarget, out: Path) -> Path:
     elif family == "block":
         from draftheads.heads.block import BlockDraft, block_config_for
 
-        head = BlockDraft(block_config_for(tgt, [0, 1], 1, 3), tgt)
+        head = BlockDraft(block_config_for(tgt, [0, 1], 1, 3, "kv"), tgt)  # the shipped layout
         for p in head.parameters():  # peaked q: about half of the drafts are accepted
             p.data.normal_(0, 1.5) if p.ndim > 1 else p.data.uniform_(0.5, 1.5)
     else:

@@ -30,7 +30,7 @@ def test_every_family_part_resolves() -> None:
     for b in registry.BASELINES.values():
         assert callable(b.load("drafter")), b.name
     exporters = {f.name: f.load("exporter") for f in registry.FAMILIES.values() if f.exporter}
-    assert set(exporters) == {"eagle3"}
+    assert set(exporters) == {"eagle3", "block"}
     for mod in exporters.values():
         assert mod.FORMATS and callable(mod.export_job)
 

@@ -77,7 +77,7 @@ def save_head(family: str, tgt: FrozenTarget, out: Path, scale: float = 0.3) -> 
         from draftheads.heads.block import BlockDraft, block_config_for
 
         L = tgt.num_layers
-        head = BlockDraft(block_config_for(tgt, sorted({0, L // 2, L - 1}), 2, 6), tgt)
+        head = BlockDraft(block_config_for(tgt, sorted({0, L // 2, L - 1}), 2, 6, "kv"), tgt)
     else:
         from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for
 

@@ -94,19 +94,21 @@ class BlockObjective(nn.Module):
         root = ids.gather(1, anchors)  # [B, m]
         blk_ids = root[:, :, None].expand(B, m, n).reshape(B, m * n)
         is_mask = (torch.arange(n, device=dev) > 0)[None, None].expand(B, m, n).reshape(B, m * n)
-        x = torch.cat([ctx, self.draft.block(blk_ids, is_mask)], dim=1)  # [B, T + m·n, H]
+        blk = self.draft.block(blk_ids, is_mask)  # [B, m·n, H]
         blk_pos = (pos.gather(1, anchors)[:, :, None] + torch.arange(n, device=dev)).reshape(B, m * n)
-        positions = torch.cat([pos, blk_pos], dim=1)  # [B, T + m·n]
-        S = T + m * n
-        allowed = torch.zeros(B, S, S, dtype=torch.bool, device=dev)
-        same = doc[:, :, None] == doc[:, None, :]  # [B, T, T]
-        allowed[:, :T, :T] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & same
         a_doc = doc.gather(1, anchors)  # [B, m]
         before = (torch.arange(T, device=dev)[None, None] < anchors[:, :, None]) & (doc[:, None] == a_doc[:, :, None])
-        allowed[:, T:, :T] = before[:, :, None].expand(B, m, n, T).reshape(B, m * n, T)  # [B, m·n, T]
         own = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool, device=dev)] * m)  # [m·n, m·n]
-        allowed[:, T:, T:] = own[None]
-        h = self.draft(x, positions, allowed)  # [B, S, H]
+        blk_allowed = torch.cat([before[:, :, None].expand(B, m, n, T).reshape(B, m * n, T),
+                                 own[None].expand(B, m * n, m * n)], dim=2)  # [B, m·n, T + m·n]
+        if self.draft.kv:  # the context enters as keys/values only: queries are the blocks' entries
+            return self.draft(blk, blk_pos, blk_allowed, self.draft.context_kv(ctx, pos)).reshape(B, m, n, -1)
+        x = torch.cat([ctx, blk], dim=1)  # [B, T + m·n, H]
+        positions = torch.cat([pos, blk_pos], dim=1)  # [B, T + m·n]
+        same = doc[:, :, None] == doc[:, None, :]  # [B, T, T]
+        ctx_allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & same
+        ctx_allowed = torch.cat([ctx_allowed, ctx_allowed.new_zeros(B, T, m * n)], dim=2)  # [B, T, T + m·n]
+        h = self.draft(x, positions, torch.cat([ctx_allowed, blk_allowed], dim=1))  # [B, T + m·n, H]
         return h[:, T:].reshape(B, m, n, -1)
 
     def _labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor, j: int,
@@ -186,8 +188,10 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         data = prepare_data(cfg.data, target.tokenizer)
     h = cfg.head
     layers = None if h.context_layers is None else [int(x) for x in h.context_layers]
+    mask_id = h.get("mask_token_id")
     head_cfg = block_config_for(target, layers, job.config_int(h, "num_layers", 2, 1, "head"),
-                                job.config_int(h, "block_size", 8, 2, "head"))
+                                job.config_int(h, "block_size", 8, 2, "head"), str(h.get("context") or "prefix"),
+                                None if mask_id is None else int(mask_id))
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
     draft = BlockDraft(head_cfg, target).to(acc.device)
     objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay))
@@ -195,9 +199,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
-        log.info("block draft: %d x %s, block %d, context layers %s, %.2fM trainable params; %d training examples; "
-                 "features %s", head_cfg.num_layers, type(draft.layers[0]).__name__, head_cfg.block_size,
-                 head_cfg.context_layers, sum(p.numel() for p in draft.parameters()) / 1e6, len(data.train),
+        log.info("block draft (context=%s): %d x %s, block %d, context layers %s, %.2fM trainable params; "
+                 "%d training examples; features %s", head_cfg.context, head_cfg.num_layers,
+                 type(draft.layers[0]).__name__, head_cfg.block_size, head_cfg.context_layers, sum(p.numel() for p in draft.parameters()) / 1e6, len(data.train),
                  feats.source)
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
              "features": feats.source}
