@@ -349,9 +349,12 @@ def _exporter(checkpoint: str) -> Any:
 
 def main(cfg: DictConfig) -> dict[str, Any]:
     # ---- setup
-    exporter = _exporter(str(cfg.checkpoint))
-    if cfg.format not in exporter.FORMATS:
-        raise ValueError(f"format must be one of {exporter.FORMATS} for this checkpoint's family, got {cfg.format!r}")
+    from draftheads.heads import registry
+
+    known = tuple(dict.fromkeys(f for fam in registry.FAMILIES.values() if fam.exporter
+                                for f in fam.load("exporter").FORMATS))
+    if cfg.format not in known:
+        raise ValueError(f"format must be one of {known}, got {cfg.format!r}")
     dtype = parse_dtype(cfg.dtype)
     check = cfg.get("speculators_python")
     if check and cfg.format != "speculators":
@@ -361,6 +364,9 @@ def main(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.out or f"{str(cfg.checkpoint).rstrip('/')}-{cfg.format}")
     outputs.refuse_inside(out, {"head checkpoint": Path(cfg.checkpoint)})  # before any model loads
     outputs.check_replaceable(out, "export", overwrite=bool(cfg.overwrite))
+    exporter = _exporter(str(cfg.checkpoint))
+    if cfg.format not in exporter.FORMATS:
+        raise ValueError(f"format must be one of {exporter.FORMATS} for this checkpoint's family, got {cfg.format!r}")
     outputs.claim(out, "export")
     # the round trip compares fp32 logits; the export itself is cast to `dtype` either way
     tcfg = TargetConfig(**{**{k: v for k, v in dict(cfg.target).items() if k in TargetConfig.__dataclass_fields__},

@@ -29,6 +29,8 @@ NOT_WRAPPED = {
     "draftheads/cli.py": "the `draftheads` command: execs a job's own entry (wrapped); its own usage errors are one "
                          "message and exit 2 (tests/test_cli.py)",
     "scripts/speculators_check.py": "runs inside the speculators venv (.venv-spec), which does not install draftheads",
+    "scripts/speculators_dflash_check.py": "runs inside the speculators venv (.venv-spec), which does not install "
+                                           "draftheads",
     "scripts/config_reference.py": "regenerates docs/configuration.md from conf/; takes no user input",
     "scripts/bench_allocator.py": "benchmark; its argument errors are one 'error:' line of its own (exit 1), tested in "
                                   "tests/test_bench_allocator.py",
