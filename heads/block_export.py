@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from draftheads.heads.block import BlockDraft
 from draftheads.heads.checkpoint import atomic_dir, save_safetensors
+from draftheads.heads.speculators_gate import check_python, gate
 from draftheads.heads.target import FrozenTarget
 
 FORMATS = ("speculators",)
@@ -142,9 +143,7 @@ def speculators_roundtrip(draft: BlockDraft, target: FrozenTarget, export_dir: s
                           prompt: str = "Explain in three sentences why the sky is blue.") -> dict[str, Any]:
     """speculators (in its own Python) loads the export and recomputes the block; its fp32 logits must be ours."""
     python, export_dir = Path(python), Path(export_dir)
-    if not python.is_file():
-        raise ValueError(f"speculators_python={python} is not a file: point it at a Python that has the speculators "
-                         f"package (bash scripts/make_speculators_venv.sh creates .venv-spec/bin/python)")
+    check_python(python)
     assert target.dtype == torch.float32, "the round trip compares fp32 logits"
     draft = draft.float().eval()
     feats, seq = _roundtrip_inputs(draft, target, prompt)
@@ -168,14 +167,7 @@ def speculators_roundtrip(draft: BlockDraft, target: FrozenTarget, export_dir: s
     scale, diff = float(ours.abs().max()), float((got - ours).abs().max())
     result = {**report, "context_positions": int(feats.shape[1]), "fp32_max_abs_diff": diff, "logit_scale": scale,
               "fp32_argmax_equal": float((got.argmax(-1) == ours.argmax(-1)).float().mean())}
-    bad = [k for k in ("missing_in_file", "unexpected_in_file", "value_mismatch") if result[k]]
-    if bad:
-        raise ValueError(f"speculators loaded the export {export_dir} with key problems: "
-                         + "; ".join(f"{k}: {result[k][:5]}" for k in bad))
-    if not diff <= ROUNDTRIP_REL_TOL * scale:
-        raise ValueError(f"speculators' block logits for the export {export_dir} differ from ours by {diff:.3g} at "
-                         f"logit scale {scale:.3g} (allowed {ROUNDTRIP_REL_TOL:g} × scale)")
-    return result
+    return gate(result, export_dir, "block logits", ROUNDTRIP_REL_TOL)
 
 
 def export_job(cfg: Any, target: FrozenTarget, out: Path, dtype: torch.dtype, verifier: str) -> dict[str, Any]:

@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 from draftheads.heads import job, outputs  # noqa: E402
 from draftheads.heads.checkpoint import atomic_dir, save_safetensors  # noqa: E402
 from draftheads.heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
+from draftheads.heads.speculators_gate import check_python, gate  # noqa: E402
 from draftheads.heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -245,10 +246,7 @@ def _roundtrip_inputs(draft: Eagle3Draft, target: FrozenTarget, prompt: str, new
     return aux, seq[:, 1:]  # x_{t+1}
 
 
-def _check_speculators_python(python: Path) -> None:
-    if not python.is_file():
-        raise ValueError(f"speculators_python={python} is not a file: point it at a Python that has the speculators "
-                         f"package (bash scripts/make_speculators_venv.sh creates .venv-spec/bin/python)")
+_check_speculators_python = check_python
 
 
 def speculators_roundtrip(draft: Eagle3Draft, target: FrozenTarget, export_dir: str | Path, python: str | Path,
@@ -301,15 +299,7 @@ def speculators_roundtrip(draft: Eagle3Draft, target: FrozenTarget, export_dir: 
               "fp32_max_abs_diff": diff, "logit_scale": scale,
               "fp32_argmax_equal": float((got32["ids"] == ours.argmax(-1)).float().mean()),
               "export_dtype_argmax_equal": float((got["ids"] == ours.argmax(-1)).float().mean())}
-    bad = [k for k in ("missing_in_file", "unexpected_in_file", "value_mismatch") if result[k]]
-    if bad:
-        raise ValueError(f"speculators loaded the export {export_dir} with key problems: "
-                         + "; ".join(f"{k}: {result[k][:5]}" for k in bad))
-    if not diff <= ROUNDTRIP_REL_TOL * scale:
-        raise ValueError(f"speculators' logits for the export {export_dir} differ from ours by {diff:.3g} at logit "
-                         f"scale {scale:.3g} (allowed {ROUNDTRIP_REL_TOL:g} × scale): the export does not reproduce "
-                         f"the draft")
-    return result
+    return gate(result, export_dir, "logits", ROUNDTRIP_REL_TOL)
 
 
 def export_job(cfg: DictConfig, target: FrozenTarget, out: Path, dtype: torch.dtype, verifier: str) -> dict[str, Any]:
