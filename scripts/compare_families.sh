@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Which draft family suits this target? Medusa, EAGLE and EAGLE-3 on the same self-distilled data with the same
-# budget, then one measurement of all three (greedy, fp32: token identity vs plain is checked) whose report has a
-# head-to-head table: target forwards per pair with a paired-bootstrap 95% interval and a verdict.
+# Which draft family suits this target? Every registered family (Medusa, EAGLE, EAGLE-3, the block draft) on the same
+# self-distilled data with the same budget, then one measurement of all of them (greedy, fp32: token identity vs plain
+# is checked) whose report has a head-to-head table: target forwards per pair with a paired-bootstrap 95% interval
+# and a verdict.
 #   bash scripts/compare_families.sh                                      # embedded SmolLM2 + ShareGPT, D1 recipe
 #   bash scripts/compare_families.sh target=hf target.name=/path/to/model # overrides go to every job
 #   QUESTIONS=../shared/data/mt_bench.jsonl MAXQ=80 bash scripts/compare_families.sh
+#   FAMILIES="eagle3 block" bash scripts/compare_families.sh              # a subset, in this order
 # Env: RUN (output folder), N (conversations to distill), SOURCE (a conversations file whose user turns are the
 # prompts; empty = the embedded ShareGPT), DISTILL_TOKENS (answer length), DATA (the distilled JSONL; made if
-# missing, extended if short, so a rerun resumes, and so do the trainers), STEPS (optimizer steps per family, global batch 8), DV (EAGLE-3 draft vocabulary;
-# empty = min(32000, V)), VOCAB_REF (corpus that votes on that vocabulary with the training split: sharegpt, a
-# conversations file, or empty for the training split alone), QUESTIONS (MT-bench-format file; empty = the distilled data's held-out split), MAXQ,
-# NEW (tokens per answer), PARALLEL (1: the three trainers share the device at once; default on CUDA only),
-# MEDUSA_ARGS / EAGLE_ARGS / EAGLE3_ARGS (space-separated overrides for one family, e.g. "head.ttt_decay=0.35").
+# missing, extended if short, so a rerun resumes, and so do the trainers), STEPS (optimizer steps per family, global batch 8),
+# FAMILIES (space-separated; default every family in heads/registry.py that has train/<family>.py and
+# conf/experiment/<family>_full.yaml), DV (EAGLE-3 draft vocabulary; empty = min(32000, V)), VOCAB_REF (corpus that
+# votes on that vocabulary with the training split: sharegpt, a conversations file, or empty for the training split
+# alone), QUESTIONS (MT-bench-format file; empty = the distilled data's held-out split), MAXQ,
+# NEW (tokens per answer), PARALLEL (1: the trainers share the device at once; default on CUDA only),
+# <FAMILY>_ARGS, e.g. MEDUSA_ARGS / EAGLE_ARGS / EAGLE3_ARGS / BLOCK_ARGS (space-separated overrides for one family,
+# e.g. EAGLE3_ARGS="head.ttt_decay=0.35"; DV and VOCAB_REF are added to EAGLE3_ARGS).
 # Cost: on an H200 the defaults take minutes; on a 2-core CPU, hours (docs/experiments/ has per-run times).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,27 +42,41 @@ S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
 python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_tokens="$DISTILL_TOKENS" \
   max_prompt_tokens=512 batch_size=32 out="$DATA"  # Hydra logs: $DATA.hydra
 
-# 2. three families, one data file, one budget
+# 2. the families, one data file, one budget
 D=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
-read -r -a MX <<< "${MEDUSA_ARGS:-}"; read -r -a EX <<< "${EAGLE_ARGS:-}"; read -r -a E3X <<< "${EAGLE3_ARGS:-}"
-[ -n "$DV" ] && E3X=(head.draft_vocab_size="$DV" "${E3X[@]}")
-[ -n "$VOCAB_REF" ] && E3X=(head.draft_vocab_reference="$VOCAB_REF" "${E3X[@]}")
-train() {  # train FAMILY [family overrides...]
+[ -n "${FAMILIES:-}" ] || FAMILIES=$(python - <<'PY'
+from pathlib import Path
+from draftheads.heads.registry import FAMILIES
+print(" ".join(f for f in FAMILIES if Path(f"train/{f}.py").is_file() and Path(f"conf/experiment/{f}_full.yaml").is_file()))
+PY
+)
+read -r -a FAM <<< "$FAMILIES"
+for F in "${FAM[@]}"; do
+  [ -f "train/$F.py" ] && [ -f "conf/experiment/${F}_full.yaml" ] || {
+    echo "FAMILIES: '$F' is not a family with a trainer and a +experiment=${F}_full recipe; allowed: $(cd conf/experiment && ls ./*_full.yaml | sed 's|./||; s|_full\.yaml||' | tr '\n' ' ')" >&2; exit 2; }
+done
+EAGLE3_ARGS="${EAGLE3_ARGS:-}"
+[ -n "$DV" ] && EAGLE3_ARGS="head.draft_vocab_size=$DV $EAGLE3_ARGS"
+[ -n "$VOCAB_REF" ] && EAGLE3_ARGS="head.draft_vocab_reference=$VOCAB_REF $EAGLE3_ARGS"
+train() {  # train FAMILY: its +experiment recipe, the shared overrides, then ${FAMILY}_ARGS
+  local v="${1^^}_ARGS" fx
+  read -r -a fx <<< "${!v:-}"
   python "train/$1.py" "+experiment=$1_full" "${D[@]}" train.max_steps="$STEPS" train.resume=true "${ARGS[@]}" \
-    "${@:2}" out_dir="$RUN/$1" hydra.run.dir="$RUN/$1"
+    "${fx[@]}" out_dir="$RUN/$1" hydra.run.dir="$RUN/$1"
 }
 ARGS=("$@")
 if [ "$PARALLEL" = 1 ]; then
-  train medusa "${MX[@]}" & p1=$!; train eagle "${EX[@]}" & p2=$!; train eagle3 "${E3X[@]}" & p3=$!
-  wait $p1; wait $p2; wait $p3  # set -e: a failed trainer stops the script
+  P=(); for F in "${FAM[@]}"; do train "$F" & P+=($!); done
+  for p in "${P[@]}"; do wait "$p"; done  # set -e: a failed trainer stops the script
 else
-  train medusa "${MX[@]}"; train eagle "${EX[@]}"; train eagle3 "${E3X[@]}"
+  for F in "${FAM[@]}"; do train "$F"; done
 fi
 
-# 3. one measurement of all three, same questions, same target, fp32 greedy
+# 3. one measurement of all of them, same questions, same target, fp32 greedy
 Q=(data=distilled "${D[@]}")
+H=(); for F in "${FAM[@]}"; do H+=("+heads.$F=$RUN/$F/final"); done
 [ -n "$QUESTIONS" ] && Q+=(questions="$QUESTIONS")
 python eval/measure.py "${T[@]}" target.dtype=fp32 "${Q[@]}" "${DX[@]}" out_dir="$RUN/measure" max_questions="$MAXQ" max_turns=1 \
   max_new_tokens="$NEW" 'methods=[plain]' 'temperatures=[]' 'sweep.methods=[]' \
-  +heads.medusa="$RUN/medusa/final" +heads.eagle="$RUN/eagle/final" +heads.eagle3="$RUN/eagle3/final"
+  "${H[@]}"
 echo "report: $RUN/measure/report.md"

@@ -1,5 +1,5 @@
-"""scripts/compare_families.sh end to end on a tiny random target: distill, three trainers on one file and one
-budget, one fp32 measurement with a head-to-head table."""
+"""scripts/compare_families.sh end to end on a tiny random target: distill, every registered family's trainer on one
+file and one budget, one fp32 measurement with a head-to-head table."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 from conftest import run_tree
 
+from draftheads.heads.registry import FAMILIES
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_dir, chat_file, tmp_path):
+def test_every_family_on_one_distilled_file_then_one_measurement(tiny_target_dir, chat_file, tmp_path):
     run = tmp_path / "run"
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]}) for i, t in
@@ -37,7 +39,8 @@ def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_d
     assert len(records) == 16 and all(r["messages"][-1]["role"] == "assistant" for r in records)
     res = json.loads((run / "measure" / "results.json").read_text())
     assert res["dtype"] == "fp32"
-    for fam in ("medusa", "eagle", "eagle3"):
+    assert list(FAMILIES) == ["medusa", "eagle", "eagle3", "block"] and set(FAMILIES) <= set(res["methods"])
+    for fam in FAMILIES:
         summary = json.loads((run / fam / "final" / "config.json").read_text())
         assert summary["family"] == fam
         assert res["methods"][fam]["checkpoint"] == str(run / fam / "final")
@@ -46,7 +49,7 @@ def test_three_families_on_one_distilled_file_then_one_measurement(tiny_target_d
         assert gi["identical"] == gi["comparable_turns"] == 2  # fp32: every head reproduces plain greedy
     g = res["settings"]["greedy"]
     pairs = {(q["a"], q["b"]): q for q in g["head_to_head"]}
-    assert set(pairs) == {("medusa", "eagle"), ("medusa", "eagle3"), ("eagle", "eagle3")}
+    assert set(pairs) == {(a, b) for i, a in enumerate(FAMILIES) for b in list(FAMILIES)[i + 1:]}  # 6 pairs
     for (a, b), q in pairs.items():
         assert q["forwards_a"] == g["methods"][a]["steps"] and q["saved"] == q["forwards_a"] - q["forwards_b"]
     assert "Head to head" in (run / "measure" / "report.md").read_text()
