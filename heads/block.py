@@ -87,6 +87,17 @@ def default_mask_token(target: FrozenTarget) -> int:
     return special[-1] if special else target.vocab_size - 1
 
 
+def rms_scale(norm: nn.Module, hidden_size: int, eps: float) -> torch.Tensor | None:
+    """The per-channel gain of an RMS norm of any family ([H]; Gemma stores it as 1 + w, Llama as w), read off its
+    output for a unit input; None for a norm that centres (LayerNorm), whose gain this cannot recover."""
+    w = next(iter(norm.parameters()), None)
+    ones = torch.ones(1, hidden_size, dtype=torch.float32 if w is None else w.dtype,
+                      device=None if w is None else w.device)
+    with torch.no_grad():
+        g = norm(ones).float()[0] * (1.0 + eps) ** 0.5  # [H]: a unit vector's RMS is 1, so this is the gain
+    return g if bool(torch.isfinite(g).all()) and bool(g.abs().sum() > 0) else None
+
+
 def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None = None, num_layers: int = 2,
                      block_size: int = 8, context: str = "prefix", mask_token_id: int | None = None,
                      ) -> BlockConfig:
@@ -148,8 +159,15 @@ class BlockDraft(nn.Module):
                     nn.init.zeros_(m.bias)
         if not self.kv:
             nn.init.normal_(self.mask_embedding, 0.0, std)
-            if isinstance(base.norm, norm_cls):  # start at the target's output scale: its lm_head reads its norm
-                self.norm.load_state_dict(base.norm.state_dict())
+        # start at the target's output scale: its lm_head reads its own final norm (SmolLM2's weights average 1.8;
+        # from ones, AdamW moves them ~1e-4 a step, so a draft would stay at half the logit scale for its whole run)
+        if isinstance(base.norm, norm_cls):
+            self.norm.load_state_dict(base.norm.state_dict())
+        else:
+            scale = rms_scale(base.norm, H, eps)
+            if scale is not None:
+                with torch.no_grad():
+                    self.norm.weight.copy_(scale)
         object.__setattr__(self, "_embed", target.embed_tokens())
         object.__setattr__(self, "_lm_head", target.lm_head())
 

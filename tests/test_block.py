@@ -195,3 +195,25 @@ def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_target_dir, tin
         BlockDraft.from_pretrained(tmp_path / "b", other)
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         block_config_for(tgt, [1, 2], 2, 1)
+
+
+@CONTEXTS
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_a_new_draft_starts_at_the_targets_output_scale(kind, context):
+    """A fresh draft's final norm is the target's (Gemma stores its gain as 1 + w, Llama as w): the frozen lm_head
+    then reads draft outputs at the scale it was trained on, from step 0."""
+    from transformers import AutoModelForCausalLM
+
+    from draftheads.scripts.arch_matrix_table import arch_config
+
+    torch.manual_seed(3)
+    m = AutoModelForCausalLM.from_config(arch_config(kind)).eval()
+    base = m.get_decoder()
+    with torch.no_grad():
+        base.norm.weight.uniform_(0.8, 2.8)  # trained targets' gains are far from 1 (SmolLM2's average 1.8)
+    tgt = from_model(m)
+    d = BlockDraft(block_config_for(tgt, None, 2, 4, context), tgt)
+    x = torch.randn(3, 7, tgt.hidden_size, generator=torch.Generator().manual_seed(0))  # [B, T, H]
+    with torch.no_grad():
+        torch.testing.assert_close(d.norm(x), base.norm(x), rtol=1e-5, atol=1e-5)
+        assert (d.norm(x) - x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))).abs().max() > 0.1  # not a unit gain
