@@ -30,8 +30,10 @@ from draftheads.heads.block import BlockDraft
 from draftheads.heads.target import FrozenTarget
 
 
-# A chain of tree.depth tokens (clipped to the block); one forward drafts any length, so one short chain is timed
-SHAPE = ChainShape("depth", probe_len=15, timed=(1,), section="tree")
+# A chain of tree.depth tokens (clipped to the block); one forward drafts any length, so one short chain is timed.
+# Branchable: tree.lookup_branch hangs a prompt-lookup chain beside it (accept reads only the accepted tokens' hidden
+# states, whichever branch they came from)
+SHAPE = ChainShape("depth", probe_len=15, timed=(1,), section="tree", branchable=True)
 
 
 class LayerCaches:

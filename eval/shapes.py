@@ -208,13 +208,15 @@ class DynamicShape(Shape):
 class ChainShape(Shape):
     """A chain whose length is one knob, ``section.knob`` (``baselines.draft_tokens``; a family's own chain would
     use ``tree.depth``): the probe drafts ``probe_len``, the timing adds ``timed`` lengths; ``variable``: proposals
-    are often shorter than the cap (prompt lookup finds no match)."""
+    are often shorter than the cap (prompt lookup finds no match); ``branchable``: a trained head's chain, which may
+    carry ``tree.lookup_branch``."""
 
     knob: str
     probe_len: int
     timed: tuple[int, ...] = ()
     variable: bool = False
     section: str = "baselines"  # or "tree"
+    branchable: bool = False
     name: str = "chain"
     drafts = True
     sweep = "chain_sizes"

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from conftest import compose, tiny_model, tiny_train_overrides
 from draftheads.data_prep.features import batch_hidden
+from draftheads.eval.baselines import PromptLookupDrafter
 from draftheads.eval.block_drafter import BlockDrafter
 from draftheads.eval.drafters import build_drafter
 from draftheads.eval.generate import NoDrafter, generate
@@ -217,3 +218,35 @@ def test_a_new_draft_starts_at_the_targets_output_scale(kind, context):
     with torch.no_grad():
         torch.testing.assert_close(d.norm(x), base.norm(x), rtol=1e-5, atol=1e-5)
         assert (d.norm(x) - x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))).abs().max() > 0.1  # not a unit gain
+
+
+@CONTEXTS
+def test_the_lookup_branch_beside_the_block_keeps_greedy_exact_and_copies_repeats(context):
+    """tree.lookup_branch on a block draft (through build_drafter, as eval/measure.py builds it): greedy output stays
+    plain's while paths run along either branch, and on looping text the copied chain is accepted beyond the
+    random draft's own."""
+    from draftheads.eval.lookup_branch import LookupBranch
+
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=2))
+    d = _draft(tgt, block=4, context=context)
+    head_tau, branch_tau = [], []
+    for prompt in ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3] * 6, list(range(20, 50))):
+        ref = generate(tgt, NoDrafter(), prompt, 40).tokens
+        head = generate(tgt, BlockDrafter(d), prompt, 40)
+        drafter = LookupBranch(BlockDrafter(d), PromptLookupDrafter(6))
+        res = generate(tgt, drafter, prompt, 40)
+        assert res.tokens == ref == head.tokens, prompt
+        head_tau.append(head.tau)
+        branch_tau.append(res.tau)
+    assert sum(branch_tau) > sum(head_tau) and drafter.merged_nodes > 0 and max(res.tree_sizes) > 4
+
+
+def test_tree_lookup_branch_reaches_the_block_drafter(tmp_path):
+    from draftheads.eval.lookup_branch import LookupBranch
+
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=2))
+    _draft(tgt, block=4, context="kv").save_pretrained(tmp_path / "h", tgt.identity)
+    d, desc = build_drafter("block", tgt, str(tmp_path / "h"), {"depth": 2, "lookup_branch": 5}, torch.float32)
+    assert isinstance(d, LookupBranch) and desc["lookup_branch"] == 5 and d.inner.k == 2
+    assert not isinstance(build_drafter("block", tgt, str(tmp_path / "h"), {"depth": 2}, torch.float32)[0],
+                          LookupBranch)
