@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from draftheads.heads.block import BlockDraft
 from draftheads.heads.checkpoint import atomic_dir, save_safetensors
-from draftheads.heads.speculators_gate import check_python, gate
+from draftheads.heads.speculators_gate import chat_prompt_ids, check_python, gate
 from draftheads.heads.target import FrozenTarget
 
 FORMATS = ("speculators",)
@@ -115,12 +115,7 @@ def export(draft: BlockDraft, target: FrozenTarget, out: str | Path, verifier: s
 
 def _roundtrip_inputs(draft: BlockDraft, target: FrozenTarget, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused context features [1, T, n·H] of a chat-templated prompt and its ids [1, T + 1] (the last id: the root)."""
-    tok = target.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ValueError(f"the speculators round trip needs the target's tokenizer with a chat template; target "
-                         f"{target.identity.name!r} has none")
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    seq = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(target.device)  # [1, T+1]
+    seq = chat_prompt_ids(target, prompt)  # [1, T+1]
     with torch.no_grad():
         hid = target(seq[:, :-1], layers=draft.config.context_layers, logits=False)["hidden"]
     return torch.cat([hid[a] for a in draft.config.context_layers], -1).float(), seq

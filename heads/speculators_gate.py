@@ -1,9 +1,12 @@
-"""What both exporters' speculators round trips share: the Python check and the pass/fail gate on its report."""
+"""What both exporters' speculators round trips share: the Python check, the chat-templated prompt they run and the
+pass/fail gate on its report."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import torch
 
 KEY_PROBLEMS = ("missing_in_file", "unexpected_in_file", "value_mismatch")
 
@@ -12,6 +15,16 @@ def check_python(python: Path) -> None:
     if not python.is_file():
         raise ValueError(f"speculators_python={python} is not a file: point it at a Python that has the speculators "
                          f"package (bash scripts/make_speculators_venv.sh creates .venv-spec/bin/python)")
+
+
+def chat_prompt_ids(target: Any, prompt: str) -> torch.Tensor:
+    """[1, T] ids of ``prompt`` as one user turn in the target's chat template, generation prompt added."""
+    tok = target.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ValueError(f"the speculators round trip needs the target's tokenizer with a chat template; target "
+                         f"{target.identity.name!r} has none")
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(target.device)
 
 
 def gate(result: dict[str, Any], export_dir: Path, what: str, rel_tol: float) -> dict[str, Any]:

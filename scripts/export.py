@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 from draftheads.heads import job, outputs  # noqa: E402
 from draftheads.heads.checkpoint import atomic_dir, save_safetensors  # noqa: E402
 from draftheads.heads.eagle3 import Eagle3Draft, check_vocab_mapping  # noqa: E402
-from draftheads.heads.speculators_gate import check_python, gate  # noqa: E402
+from draftheads.heads.speculators_gate import chat_prompt_ids, check_python, gate  # noqa: E402
 from draftheads.heads.target import FrozenTarget, TargetConfig, load_target, parse_dtype, resolve_target  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -230,12 +230,7 @@ ROUNDTRIP_REL_TOL = 1e-4  # max |logit difference| / max |logit| of the fp32 rou
 def _roundtrip_inputs(draft: Eagle3Draft, target: FrozenTarget, prompt: str, new_tokens: int,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused aux features [1, L, n·H] and next tokens [1, L] of a chat-templated prompt + the target's greedy answer."""
-    tok = target.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ValueError(f"the speculators round trip needs the target's tokenizer with a chat template; target "
-                         f"{target.identity.name!r} has none")
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    seq = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(target.device)  # [1, T]
+    seq = chat_prompt_ids(target, prompt)  # [1, T]
     with torch.no_grad():
         for _ in range(new_tokens):  # a short greedy answer, so the positions include assistant text
             nxt = target(seq)["logits"][:, -1].argmax(-1, keepdim=True)
