@@ -20,6 +20,7 @@
 # Cost: on an H200 the defaults take minutes; on a 2-core CPU, hours (docs/experiments/ has per-run times).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/families.sh
 RUN=${RUN:-runs/compare}
 N=${N:-1200}
 SOURCE=${SOURCE:-}
@@ -37,6 +38,10 @@ T=(); for a in "$@"; do case $a in target*) T+=("$a");; esac; done  # distill ta
 DX=(); for a in "$@"; do case $a in data.*) DX+=("$a");; esac; done  # measure also reads the distilled data's
 # held-out split (the default questions, and tree=auto's calibration prompts): prepared as the trainers prepared it
 
+[ -n "${FAMILIES:-}" ] || FAMILIES=$(registered_families)
+read -r -a FAM <<< "$FAMILIES"
+check_families "${FAM[@]}"  # before any work: an unknown family is one line and exit 2
+
 # 1. the target's own answers (resumable: a rerun skips what DATA already holds)
 S=(); [ -n "$SOURCE" ] && S=(data=file data.path="$SOURCE")
 python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_tokens="$DISTILL_TOKENS" \
@@ -44,23 +49,12 @@ python data_prep/distill.py "${T[@]}" "${S[@]}" num_conversations="$N" max_new_t
 
 # 2. the families, one data file, one budget
 D=(data.path="$DATA" data.name="$(basename "$DATA" .jsonl)")
-[ -n "${FAMILIES:-}" ] || FAMILIES=$(python - <<'PY'
-from pathlib import Path
-from draftheads.heads.registry import FAMILIES
-print(" ".join(f for f in FAMILIES if Path(f"train/{f}.py").is_file() and Path(f"conf/experiment/{f}_full.yaml").is_file()))
-PY
-)
-read -r -a FAM <<< "$FAMILIES"
-for F in "${FAM[@]}"; do
-  [ -f "train/$F.py" ] && [ -f "conf/experiment/${F}_full.yaml" ] || {
-    echo "FAMILIES: '$F' is not a family with a trainer and a +experiment=${F}_full recipe; allowed: $(cd conf/experiment && ls ./*_full.yaml | sed 's|./||; s|_full\.yaml||' | tr '\n' ' ')" >&2; exit 2; }
-done
 EAGLE3_ARGS="${EAGLE3_ARGS:-}"
 [ -n "$DV" ] && EAGLE3_ARGS="head.draft_vocab_size=$DV $EAGLE3_ARGS"
 [ -n "$VOCAB_REF" ] && EAGLE3_ARGS="head.draft_vocab_reference=$VOCAB_REF $EAGLE3_ARGS"
 train() {  # train FAMILY: its +experiment recipe, the shared overrides, then ${FAMILY}_ARGS
-  local v="${1^^}_ARGS" fx
-  read -r -a fx <<< "${!v:-}"
+  local fx
+  read -r -a fx <<< "$(family_args "$1")"
   python "train/$1.py" "+experiment=$1_full" "${D[@]}" train.max_steps="$STEPS" train.resume=true "${ARGS[@]}" \
     "${fx[@]}" out_dir="$RUN/$1" hydra.run.dir="$RUN/$1"
 }

@@ -33,6 +33,7 @@
 # the head already in zoo/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/families.sh
 RUN=${RUN:-runs/recipe-eagle3}
 N=${N:-null}
 TURNS=${TURNS:-first}
@@ -48,10 +49,7 @@ MEASURE=${MEASURE:-1}
 DISTILL_PROCS=${DISTILL_PROCS:-1}
 [[ "$DISTILL_PROCS" =~ ^[1-9][0-9]*$ ]] || { echo "DISTILL_PROCS must be a whole number >= 1, got '$DISTILL_PROCS'" >&2; exit 2; }
 read -r -a FAM <<< "${FAMILIES:-eagle3}"
-for F in "${FAM[@]}"; do
-  [ -f "train/$F.py" ] && [ -f "conf/experiment/${F}_full.yaml" ] || {
-    echo "FAMILIES: '$F' is not a family with a trainer and a +experiment=${F}_full recipe; allowed: $(cd conf/experiment && ls ./*_full.yaml | sed 's|./||; s|_full\.yaml||' | tr '\n' ' ')" >&2; exit 2; }
-done
+check_families "${FAM[@]}"
 QUESTIONS=${QUESTIONS:-../shared/data/mt_bench.jsonl}
 MAXQ=${MAXQ:-80}
 NEW=${NEW:-128}
@@ -90,14 +88,10 @@ fi
 t1=$SECONDS
 
 stage "2/4 train ${FAM[*]} for $STEPS steps each, τ every $TAU_EVERY"
-family_args() {  # the overrides for family $1: ${FAMILY}_ARGS when set, else train.save_every=50
-  local v="${1^^}_ARGS"
-  if [ -n "${!v+x}" ]; then echo "${!v}"; else echo "train.save_every=50"; fi
-}
 declare -A HEADS TRAIN_S
 for F in "${FAM[@]}"; do
   t=$SECONDS
-  read -r -a FX <<< "$(family_args "$F")"
+  read -r -a FX <<< "$(family_args "$F" train.save_every=50)"  # ${F^^}_ARGS, else this
   python "train/$F.py" "+experiment=${F}_full" data.path="$DATA" data.name="$(basename "$DATA" .jsonl)" \
     train.max_steps="$STEPS" train.tau_eval.every="$TAU_EVERY" train.resume=true "$@" "${FX[@]}" \
     out_dir="$RUN/$F" hydra.run.dir="$RUN/$F"

@@ -54,3 +54,16 @@ def test_every_family_on_one_distilled_file_then_one_measurement(tiny_target_dir
         assert q["forwards_a"] == g["methods"][a]["steps"] and q["saved"] == q["forwards_a"] - q["forwards_b"]
     assert "Head to head" in (run / "measure" / "report.md").read_text()
     assert f"report: {run}/measure/report.md" in p.stdout
+
+
+def test_an_unknown_family_is_refused_before_any_work(tmp_path):
+    """A typo in FAMILIES: one line naming it and the allowed families, exit 2, before distillation starts."""
+    import subprocess
+
+    env = dict(os.environ, RUN=str(tmp_path / "run"), FAMILIES="block eagel3")
+    p = subprocess.run(["bash", str(REPO / "scripts" / "compare_families.sh")], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "FAMILIES: 'eagel3'" in p.stderr
+    assert set(p.stderr.split("allowed:")[1].split()) == set(FAMILIES)
+    assert not (tmp_path / "run").exists()  # nothing distilled, nothing written
