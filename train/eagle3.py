@@ -39,8 +39,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from draftheads.data_prep.dataset import prepare_data, shifted_valid
-from draftheads.data_prep.draft_vocab import (count_assistant_tokens, count_reference_tokens, ranking_scores, select_draft_vocab,
-                                   vocab_stats)
+from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
 from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
@@ -52,7 +51,6 @@ from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows,
 
 log = logging.getLogger(__name__)
 
-HELDOUT_COVERAGE_WARN = 0.97  # warn below this share of held-out assistant tokens inside the draft vocabulary
 
 
 class Eagle3Objective(nn.Module):
@@ -226,22 +224,10 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
                                bool(h.norm_before_residual))
     if h.init_lm_head not in ("target", "random"):
         raise ValueError(f"head.init_lm_head must be target or random, got {h.init_lm_head!r}")
-    counts = count_assistant_tokens(data.train, V)
-    ref_source = h.get("draft_vocab_reference")
-    reference = count_reference_tokens(str(ref_source), target.tokenizer, V) if ref_source else None
-    vocab = select_draft_vocab(ranking_scores(counts, reference), dv)
+    vocab, info = counted_vocab(data, target.tokenizer, V, dv, h.get("draft_vocab_reference"))
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
     draft = Eagle3Draft(config, target)
     draft.set_vocab(vocab, init_lm_head_from=target.lm_head().weight if h.init_lm_head == "target" else None)
-    held = count_assistant_tokens(data.heldout, V) if data.heldout is not None and len(data.heldout) else None
-    info = {"source": "counted", **vocab_stats(counts, vocab, held, reference)}
-    if reference is not None:
-        info["reference"] = str(ref_source)
-    if info.get("heldout_coverage") is not None and info["heldout_coverage"] < HELDOUT_COVERAGE_WARN:
-        log.warning("the draft vocabulary (%d ids) covers only %.1f%% of the held-out assistant tokens: every other "
-                    "token is a guaranteed rejection; a larger head.draft_vocab_size (default min(32000, V)) removes "
-                    "those at the cost of a larger draft lm_head, and head.draft_vocab_reference=sharegpt fills the "
-                    "slots the training split leaves with common tokens", dv, 100 * info["heldout_coverage"])
     return draft, info
 
 
