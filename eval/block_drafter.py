@@ -1,5 +1,8 @@
 """Block drafting for the generation loop: one draft forward proposes a chain of up to ``block_size - 1`` tokens.
 
+With a draft vocabulary the draft's distributions are over its own ids; they are mapped to target ids (zero
+outside the vocabulary) before drafting, so q is what the exact rule reads.
+
 Bookkeeping (cur = tokens in the target's cache; the root x_cur is the last accepted token):
 
 * The draft's cache holds one *committed* context entry per position t < cur, made from the target's hidden
@@ -101,14 +104,16 @@ class BlockDrafter:
         else:
             h = self.draft(x, torch.arange(c, c + n, device=dev)[None], allowed, self.cache)[0, 1:]  # [k, H]
             self.cache.crop(c)  # the block's entries are never committed
-        logits = self.draft.logits(h).float()  # [k, V]
+        logits = self.draft.logits(h).float()  # [k, out_vocab]: V, or DV with a draft vocabulary
         probs = None
         if sampling is None:
-            drafted = logits.argmax(-1)
+            drafted = self.draft.to_target(logits.argmax(-1))
         else:
             q = torch.stack([apply_sampling(z, float(sampling.get("temperature", 1.0)),
                                             float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", 0)))
-                             for z in logits])  # [k, V]
+                             for z in logits])  # [k, out_vocab]
+            if self.draft.config.draft_vocab_size:  # as a distribution over target ids: 0 outside the vocabulary
+                q = q.new_zeros(q.shape[0], self.draft.config.vocab_size).index_copy_(1, self.draft.target_ids(), q)
             qs = q if generator is None or generator.device == q.device else q.to(generator.device)
             drafted = torch.multinomial(qs, 1, generator=generator)[:, 0].to(dev)
             probs = torch.cat([torch.zeros_like(q[:1]), q]).cpu()  # row 0 (the root) unused

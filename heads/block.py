@@ -14,6 +14,12 @@ learned vector. ``kv`` (DFlash, the layout ``speculators`` exports): the normed 
 keys and values directly (heads/block_layers.py), and mask entries are the frozen embedding of ``mask_token_id``.
 The embedding and lm_head are the target's, held unregistered: never trained, never saved. The checkpoint records
 the target identity, so loading it for another target is refused.
+
+``draft_vocab_size`` DV > 0 gives the draft its own output vocabulary, as EAGLE-3's: ``lm_head`` holds the
+target's lm_head rows of DV target ids (frozen, saved with the draft because engines cannot rebuild a reduced
+head), ``d2t``/``t2d`` map between draft and target ids. The loss and the drafter's logits then cost DV/V of the
+full head, which matters for a 262k vocabulary and pays for more anchors per row; a token outside the vocabulary
+is never drafted.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from draftheads.heads.checkpoint import read_head, save_head
 from draftheads.heads.eagle import (_base, _layer_fields, attention_bias, draft_layer_config, family_init,
                                     rotary_kwargs)
 from draftheads.heads.eagle3 import check_aux_layers, default_aux_layers
+from draftheads.heads.eagle3_vocab import check_vocab_mapping, vocab_mapping
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "block"
@@ -53,6 +60,7 @@ class BlockConfig:
     layer_config: dict[str, Any] = field(default_factory=dict)  # target-config fields the draft layers were built from
     context: str = "prefix"  # prefix | kv (checkpoints without the field are prefix drafts)
     mask_token_id: int | None = None  # kv: the token whose frozen embedding fills mask entries
+    draft_vocab_size: int = 0  # DV: rows of the draft's own (frozen) lm_head, mapped by d2t/t2d; 0: the target's head
 
     def __post_init__(self) -> None:
         if self.context not in CONTEXT_MODES:
@@ -63,6 +71,9 @@ class BlockConfig:
                              f"got {self.mask_token_id!r}")
         if self.num_layers < 1:
             raise ValueError(f"head.num_layers must be >= 1, got {self.num_layers}")
+        if self.vocab_size and not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"head.draft_vocab_size must be in 1..{self.vocab_size} (the target's vocabulary) or "
+                             f"null for the whole vocabulary, got {self.draft_vocab_size}")
         if self.block_size < 2:
             raise ValueError(f"head.block_size must be >= 2 (the root and at least one drafted token), "
                              f"got {self.block_size}")
@@ -100,7 +111,7 @@ def rms_scale(norm: nn.Module, hidden_size: int, eps: float) -> torch.Tensor | N
 
 def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None = None, num_layers: int = 2,
                      block_size: int = 8, context: str = "prefix", mask_token_id: int | None = None,
-                     ) -> BlockConfig:
+                     draft_vocab_size: int = 0) -> BlockConfig:
     L = target.num_layers
     # low/mid/high like EAGLE-3; shallow targets (under 7 layers) get the distinct ones of that choice
     layers = sorted({min(max(a, 0), L - 1) for a in default_aux_layers(L)}) if context_layers is None \
@@ -109,7 +120,7 @@ def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None 
                        context_layers=check_aux_layers(layers, L, "head.context_layers"), num_layers=int(num_layers),
                        block_size=int(block_size), layer_config=_layer_fields(target.config), context=context,
                        mask_token_id=(mask_token_id if mask_token_id is not None else default_mask_token(target))
-                       if context == "kv" else None)
+                       if context == "kv" else None, draft_vocab_size=int(draft_vocab_size))
 
 
 class BlockDraft(nn.Module):
@@ -171,6 +182,39 @@ class BlockDraft(nn.Module):
                     self.norm.weight.copy_(scale)
         object.__setattr__(self, "_embed", target.embed_tokens())
         object.__setattr__(self, "_lm_head", target.lm_head())
+        DV = config.draft_vocab_size
+        if DV:  # the draft vocabulary's rows of the frozen head (set_vocab), and the id mapping
+            self.lm_head = nn.Linear(H, DV, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+            self.register_buffer("d2t", torch.zeros(DV, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+            self.set_vocab(torch.arange(DV))  # placeholder until the counted vocabulary (or a checkpoint) arrives
+
+    def set_vocab(self, vocab_ids: Sequence[int] | torch.Tensor) -> None:
+        """Use the draft vocabulary ``vocab_ids`` (target ids): the mapping, and the target lm_head's rows."""
+        assert self.config.draft_vocab_size, "a draft over the whole vocabulary has no draft vocabulary"
+        d2t, t2d = vocab_mapping(vocab_ids, self.config.vocab_size)
+        if d2t.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {d2t.numel()} ids, head.draft_vocab_size is "
+                             f"{self.config.draft_vocab_size}")
+        with torch.no_grad():
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            rows = self._lm_head.weight[self.target_ids().to(self._lm_head.weight.device)]  # [DV, H]
+            self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+
+    @property
+    def out_vocab(self) -> int:
+        """Columns of :meth:`logits`: DV with a draft vocabulary, else the target's V."""
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    def target_ids(self) -> torch.Tensor:
+        """[DV] the target id of each draft id (d2t is an offset: draft id i is target id i + d2t[i])."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Columns of :meth:`logits` (any shape) -> target ids."""
+        return ids + self.d2t[ids] if self.config.draft_vocab_size else ids
 
     @property
     def attn_impl(self) -> str:
@@ -178,8 +222,9 @@ class BlockDraft(nn.Module):
 
     def cast(self, dtype: torch.dtype) -> "BlockDraft":
         """Cast the trainable weights for inference; rotary frequencies stay fp32."""
-        for m in (self.fc, self.context_norm, self.layers, self.norm):
-            m.to(dtype)
+        for m in (self.fc, self.context_norm, self.layers, self.norm, getattr(self, "lm_head", None)):
+            if m is not None:
+                m.to(dtype)
         if not self.kv:
             self.mask_embedding.data = self.mask_embedding.data.to(dtype)
         return self
@@ -222,11 +267,13 @@ class BlockDraft(nn.Module):
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[.., H] draft outputs -> [.., V] through the target's frozen lm_head."""
-        return self._lm_head(h.to(self._lm_head.weight.dtype))
+        """[.., H] draft outputs -> [.., out_vocab]: the target's frozen lm_head, or its draft-vocabulary rows."""
+        head = self.frozen_lm_head()
+        return head(h.to(head.weight.dtype))
 
     def frozen_lm_head(self) -> nn.Module:
-        return self._lm_head
+        """The frozen output projection (over the draft vocabulary when there is one): what the loss reads."""
+        return self.lm_head if self.config.draft_vocab_size else self._lm_head
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: str | Path, target: TargetIdentity, extra: dict[str, Any] | None = None) -> Path:
@@ -244,6 +291,9 @@ class BlockDraft(nn.Module):
             if k in current and current[k] != v:
                 raise ValueError(f"{where}: field layer_config.{k} is {v!r} there but {current[k]!r} for the "
                                  f"loaded target {target.identity.name!r}")
+        if config.draft_vocab_size:
+            check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), config.draft_vocab_size, config.vocab_size,
+                                where)
         draft = cls(config, target)
         missing, unexpected = draft.load_state_dict(tensors, strict=False)
         if missing or unexpected:

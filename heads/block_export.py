@@ -3,7 +3,8 @@
 The layouts match one to one (heads/block_layers.py follows DFlash): ``fc.weight``, ``hidden_norm.weight`` (our
 ``context_norm``), ``layers.i.*`` (q/k/v/o projections, per-head q/k norms, the two layer norms, the gated MLP) and
 ``norm.weight``. The embedding and lm_head are the target's: speculators rebuilds both from the verifier, so the
-export holds neither (and no d2t/t2d: the draft predicts over the whole target vocabulary). The config carries
+export holds neither; a draft with its own vocabulary (``head.draft_vocab_size``) also holds ``lm_head.weight``
+(its rows of the target's head, which engines cannot rebuild) and ``d2t``/``t2d``, as speculators saves them. The config carries
 ``mask_token_id``, ``block_size``, the context layer ids (``aux_hidden_state_layer_ids``, our ids: the input of
 decoder layer i) and the layer config with ``num_hidden_layers`` = the draft's layers.
 
@@ -45,7 +46,9 @@ def _rename(k: str) -> str:
 
 
 def export_tensors(draft: BlockDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {_rename(k): v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()}
+    # d2t (int64) and t2d (bool) keep their dtypes: only the weights take the export's
+    return {_rename(k): v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in draft.state_dict().items()}
 
 
 def dflash_config(draft: BlockDraft, verifier: str, verifier_architectures: list[str], dtype: torch.dtype,
@@ -58,7 +61,7 @@ def dflash_config(draft: BlockDraft, verifier: str, verifier_architectures: list
         "architectures": ["DFlashSpeculator"],
         "speculators_model_type": "dflash",
         "transformer_layer_config": lc,
-        "draft_vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
         "block_size": c.block_size,
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": list(c.context_layers),
@@ -122,7 +125,7 @@ def _roundtrip_inputs(draft: BlockDraft, target: FrozenTarget, prompt: str) -> t
 
 
 def block_logits(draft: BlockDraft, features: torch.Tensor, root: int) -> torch.Tensor:
-    """Our logits [n-1, V] of the block rooted at ``root`` after context ``features`` [1, T, n·H] (as decoding)."""
+    """Our logits [n-1, DV or V] of the block rooted at ``root`` after context ``features`` [1, T, n·H] (as decoding)."""
     n, T = draft.config.block_size, features.shape[1]
     dev = features.device
     with torch.no_grad():

@@ -8,8 +8,9 @@ the file's keys and values are compared with the loaded model itself. FP32_DIR (
 the block: INPUTS holds ``hidden_states`` [1, T, n·H] (the target's fused context features at 0..T-1) and
 ``input_ids`` [1, T + 1] (the last id is the block's root, at position T). The block is [root, mask, ...] and its
 entries attend to every context entry and to each other, as at decoding time; speculators' own modules compute
-it: ``fc`` + ``hidden_norm``, each layer with the context injected as keys/values, ``norm`` and the verifier's
-lm_head. Writes OUT_DIR/result.safetensors (``logits`` [n-1, V] of block entries 1..n-1) and OUT_DIR/report.json.
+it: ``fc`` + ``hidden_norm``, each layer with the context injected as keys/values, ``norm`` and the lm_head (the
+verifier's, or the file's reduced one for a draft vocabulary). Writes OUT_DIR/result.safetensors (``logits``
+[n-1, DV or V] of block entries 1..n-1) and OUT_DIR/report.json.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main(export_dir: str, fp32_dir: str, inputs: str, out_dir: str) -> dict:
     model = _load(export_dir)
     file = load_file(str(Path(export_dir) / "model.safetensors"))
     state = model.state_dict()
-    expected = set(state) - NOT_SAVED
+    # a draft with its own vocabulary keeps its lm_head (and d2t/t2d) in the file
+    expected = set(state) - (NOT_SAVED - ({"lm_head.weight"} if getattr(model, "use_draft_vocab", False) else set()))
     report = {"class": type(model).__name__, "layer_class": type(model.layers[0]).__name__,
               "num_layers": len(model.layers), "block_size": int(model.block_size),
               "mask_token_id": int(model.mask_token_id), "aux_layer_ids": list(model.target_layer_ids),
@@ -69,7 +71,7 @@ def main(export_dir: str, fp32_dir: str, inputs: str, out_dir: str) -> dict:
         for layer in model.layers:
             x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos,
                       position_embeddings=emb)
-        logits = model.lm_head(model.norm(x))[0, 1:].float()  # [n-1, V]
+        logits = model.lm_head(model.norm(x))[0, 1:].float()  # [n-1, DV or V]
     save_file({"logits": logits.contiguous()}, str(out / "result.safetensors"))
     (out / "report.json").write_text(json.dumps(report, indent=2))
     return report

@@ -34,14 +34,14 @@ PROMPT = [1, 2, 3]
 # temperature and top-k applied to the target (and handed to the drafter): two tokens per context have no mass, so
 # a drafted token the target cannot emit must always be rejected, and few cells make the check sharp at few runs
 SAMPLING = {"temperature": 0.9, "top_p": 1.0, "top_k": 2}
-FAMILIES = ("medusa", "eagle", "eagle3", "block")
+FAMILIES = ("medusa", "eagle", "eagle3", "block", "block-dv")  # block-dv: a block draft with its own vocabulary
 # the family's tree settings as eval reads them (conf/tree/default.yaml keys): depth 2, two children at the root
 # (the block draft proposes a chain of two, each token sampled from its position's q)
 TREES = {"medusa": {"size": 5, "max_depth": 2}, "eagle": {"top_k": 2, "depth": 2, "nodes": 4},
-         "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"depth": 2}}
+         "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"depth": 2}, "block-dv": {"depth": 2}}
 ALPHA, TV_FACTOR = 1e-3, 3.0  # eval/exactness.py's defaults for "consistent with the target"
-SAMPLES_ITS_DRAFTS = ("block",)  # drafters whose children are drawn from the q they report
-CONTROLS = {"block": (1000, 1e-5)}  # negative controls: (runs, p-value bound); others (400, 1e-10)
+SAMPLES_ITS_DRAFTS = ("block", "block-dv")  # drafters whose children are drawn from the q they report
+CONTROLS = {"block": (1000, 1e-5), "block-dv": (1000, 1e-5)}  # negative controls: (runs, p-value bound); others (400, 1e-10)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,12 +66,15 @@ def _save_head(family: str, tgt: FrozenTarget, out: Path) -> Path:
         head = EagleDraft(eagle_config_for(tgt), tgt)
         for p in head.parameters():
             p.data.normal_(0, 0.3)
-    elif family == "block":
+    elif family in ("block", "block-dv"):
         from draftheads.heads.block import BlockDraft, block_config_for
 
-        head = BlockDraft(block_config_for(tgt, [0, 1], 1, 3, "kv"), tgt)  # the shipped layout
+        dv = 3 if family == "block-dv" else 0  # as EAGLE-3's below: draft ids 0, 1, 2 are target ids 0, 1, 3
+        head = BlockDraft(block_config_for(tgt, [0, 1], 1, 3, "kv", draft_vocab_size=dv), tgt)  # the shipped layout
         for p in head.parameters():  # peaked q: about half of the drafts are accepted
             p.data.normal_(0, 1.5) if p.ndim > 1 else p.data.uniform_(0.5, 1.5)
+        if dv:
+            head.set_vocab(torch.tensor([0, 1, 3]))
     else:
         from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for
 
@@ -92,7 +95,7 @@ def drafters(target, tmp_path_factory) -> dict[str, Any]:
     for family in FAMILIES:
         head = _save_head(family, target, tmp_path_factory.mktemp(f"head-{family}"))
         drafter, desc = build_drafter("auto", target, str(head), OmegaConf.create(TREES[family]), target.dtype)
-        assert desc["drafter"] == family and desc["tree_depth"] == 2
+        assert desc["drafter"] == family.split("-")[0] and desc["tree_depth"] == 2
         out[family] = drafter
     return out
 

@@ -8,6 +8,9 @@ cross-entropy on x_{a+j} (the data's token: in the recipe, the target's own cont
 so the early positions, which every accepted chain needs, count most. Context entries run once per row, causal
 per document, and are shared by all its blocks.
 
+With ``head.draft_vocab_size`` the draft's logits cover its own vocabulary (heads/block.py); a label outside it
+is left out of the CE (no row can score it) and counts as a miss in top-1.
+
 Held-out metrics (CE, top-1 per block position) and the simulated τ (the greedy chain of the whole block at every
 held-out position on the target's greedy path) are logged at every ``train.eval_every`` and at the end.
 
@@ -24,6 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from draftheads.data_prep.dataset import prepare_data, shifted_valid
+from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
 from draftheads.heads.block import BlockDraft, block_config_for
@@ -131,18 +135,26 @@ class BlockObjective(nn.Module):
         total_ce, total_n = torch.zeros((), device=h.device), torch.zeros((), device=h.device)
         for j in range(1, self.n):  # every position runs, even without labels: ZeRO-3/FSDP forwards are collective
             labels, ok = self._labels(batch, anchors, valid, j)
-            rows, y = h[:, :, j][ok], labels[ok]  # [r, H], [r]
+            r = ok.sum().float()  # top-1's denominator: a label outside the draft vocabulary is a miss
+            rows, y = self._scored(h[:, :, j][ok], labels[ok])  # [r', H], [r'] in the draft's output ids
             fused = linear_cross_entropy(rows, self.draft.frozen_lm_head(), y, 1)
             ce, hits = fused if fused is not None else chunked_sum(self._chunk_ce, rows, y,
-                                                                   vocab=self.draft.config.vocab_size)
+                                                                   vocab=self.draft.out_vocab)
             assert hits is not None
-            r = ok.sum().float()
             loss = loss + self.decay ** (j - 1) * ce
-            stats[f"ce/j{j}"] = (ce.detach(), r)
+            stats[f"ce/j{j}"] = (ce.detach(), r.new_tensor(float(y.numel())))
             stats[f"top1/j{j}"] = (hits[0], r)
-            total_ce, total_n = total_ce + ce.detach(), total_n + r
+            total_ce, total_n = total_ce + ce.detach(), total_n + y.numel()
         stats["ce"] = (total_ce, total_n)
         return loss, stats
+
+    def _scored(self, rows: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [r, H] and target-id labels [r] -> those the draft's logits can score, labels as logit columns."""
+        if not self.draft.config.draft_vocab_size:
+            return rows, y
+        inside = self.draft.t2d[y]  # [r]
+        column = self.draft.t2d.long().cumsum(0) - 1  # [V]: target id -> draft id (valid where t2d)
+        return rows[inside], column[y[inside]]
 
     def _chunk_ce(self, rows: torch.Tensor, y: torch.Tensor, stats: bool = True):
         z = self.draft.logits(rows).float()  # [r, V]
@@ -166,7 +178,8 @@ class BlockObjective(nn.Module):
                 a = roots[i:i + 64]
                 row = {k: v[b:b + 1] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
                 h = self.blocks(row, {k: v[b:b + 1] for k, v in hidden.items()}, a[None])[0]  # [m, n, H]
-                per = [reference_ranks(chunked_topk(h[:, j], self.draft.logits, top_k, self.draft.config.vocab_size),
+                per = [reference_ranks(self.draft.to_target(chunked_topk(h[:, j], self.draft.logits, top_k,
+                                                                         self.draft.out_vocab)),
                                        ids[b, a + j], top_k) for j in range(1, D + 1)]
                 ranks.append(torch.stack(per, dim=1))
         out = torch.cat(ranks) if ranks else torch.zeros(0, D, dtype=torch.long, device=ids.device)
@@ -189,11 +202,22 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     h = cfg.head
     layers = None if h.context_layers is None else [int(x) for x in h.context_layers]
     mask_id = h.get("mask_token_id")
+    dv = h.get("draft_vocab_size")
+    dv = 0 if dv is None else job.config_int(h, "draft_vocab_size", 0, 1, "head")
+    if dv > target.vocab_size:
+        raise ValueError(f"head.draft_vocab_size={dv} is larger than the target's vocabulary ({target.vocab_size}); "
+                         f"use at most {target.vocab_size}, or null for the whole vocabulary")
     head_cfg = block_config_for(target, layers, job.config_int(h, "num_layers", 2, 1, "head"),
                                 job.config_int(h, "block_size", 8, 2, "head"), str(h.get("context") or "prefix"),
-                                None if mask_id is None else int(mask_id))
+                                None if mask_id is None else int(mask_id), dv)
     torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
-    draft = BlockDraft(head_cfg, target).to(acc.device)
+    draft = BlockDraft(head_cfg, target)
+    vocab_info = None
+    if dv:  # counted on the training split (deterministic, so a resumed run counts the same vocabulary)
+        vocab, vocab_info = counted_vocab(data, target.tokenizer, target.vocab_size, dv,
+                                          h.get("draft_vocab_reference"))
+        draft.set_vocab(vocab)
+    draft = draft.to(acc.device)
     objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay))
     feats = feature_source(cfg, target, data, objective.layers)
     if acc.is_main_process:
@@ -201,10 +225,12 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         save_run_config(cfg, out_dir)
         log.info("block draft (context=%s): %d x %s, block %d, context layers %s, %.2fM trainable params; "
                  "%d training examples; features %s", head_cfg.context, head_cfg.num_layers,
-                 type(draft.layers[0]).__name__, head_cfg.block_size, head_cfg.context_layers, sum(p.numel() for p in draft.parameters()) / 1e6, len(data.train),
-                 feats.source)
+                 type(draft.layers[0]).__name__, head_cfg.block_size, head_cfg.context_layers,
+                 sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6, len(data.train), feats.source)
+        if vocab_info:
+            log.info("draft vocabulary: %s", vocab_info)
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
-             "features": feats.source}
+             "features": feats.source, **({"draft_vocab": vocab_info} if vocab_info else {})}
     evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens),
                                  extra, HELDOUT_NAMES)
     trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
