@@ -40,6 +40,19 @@ def _batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
 
 
+def scored_and_drafted(obj: BlockObjective, ids: torch.Tensor, hidden: dict, a: int, seen: int | None = None):
+    """(the block distributions training scores at anchor a [n-1, out_vocab], the tree the drafter samples at T=1
+    after a prefill of the first ``seen`` tokens (default a: exactly the anchor's context) with root x_a)."""
+    d = obj.draft
+    with torch.no_grad():
+        h = obj.blocks(_batch(ids), hidden, torch.tensor([[a]]))[0, 0]  # [n, H]
+        p_train = torch.softmax(d.logits(h[1:]).float(), -1)  # [n-1, out_vocab]
+    seen = a if seen is None else seen
+    drafter = BlockDrafter(d)
+    drafter.begin(ids[0, :seen], {k: v[0, :seen] for k, v in hidden.items()})
+    return p_train, drafter.propose(int(ids[0, a]), {"temperature": 1.0}, torch.Generator().manual_seed(0))
+
+
 @CONTEXTS
 def test_training_blocks_are_what_decoding_drafts(context):
     """The block training scores for an anchor a (context before a, root x_a) has exactly the distributions the
@@ -50,16 +63,10 @@ def test_training_blocks_are_what_decoding_drafts(context):
     obj = BlockObjective(d, tgt, anchors=4).eval()
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     hidden = batch_hidden(_batch(ids), tgt, obj.layers)
-    drafter = BlockDrafter(d)
     for a in (1, 9, 17):
-        with torch.no_grad():
-            h = obj.blocks(_batch(ids), hidden, torch.tensor([[a]]))[0, 0]  # [n, H]
-            p_train = torch.softmax(d.logits(h[1:]).float(), -1)  # [n-1, V]
-        drafter.begin(ids[0, :a], {k: v[0, :a] for k, v in hidden.items()})
-        tree = drafter.propose(int(ids[0, a]), {"temperature": 1.0}, torch.Generator().manual_seed(0))
+        p_train, tree = scored_and_drafted(obj, ids, hidden, a)
         torch.testing.assert_close(tree.draft_probs[1:], p_train, rtol=1e-4, atol=1e-6)
-        drafter.begin(ids[0, :a + 1], {k: v[0, :a + 1] for k, v in hidden.items()})  # sees x_a's own entry
-        leaky = drafter.propose(int(ids[0, a]), {"temperature": 1.0}, torch.Generator().manual_seed(0))
+        _, leaky = scored_and_drafted(obj, ids, hidden, a, seen=a + 1)  # the drafter sees x_a's own entry
         assert (leaky.draft_probs[1:] - p_train).abs().max() > 1e-3
 
 

@@ -20,6 +20,7 @@ from draftheads.heads.block import BlockDraft, block_config_for
 from draftheads.heads.block_export import export
 from draftheads.heads.target import from_model, load_target
 from draftheads.train.block import BlockObjective
+from test_block import _batch, scored_and_drafted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = [0, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31]  # 12 of the tiny target's 64 ids
@@ -33,10 +34,6 @@ def _draft(tgt, vocab=VOCAB, context: str = "kv", block: int = 4, seed: int = 0)
             p.data.normal_(0, 0.3) if p.ndim > 1 else p.data.uniform_(0.5, 1.5)
     d.set_vocab(torch.tensor(vocab))
     return d
-
-
-def _batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
 
 
 @pytest.mark.parametrize("context", ["prefix", "kv"])
@@ -71,13 +68,7 @@ def test_training_scores_in_vocabulary_labels_and_sampling_reports_target_ids(co
     obj = BlockObjective(d, tgt, anchors=4).eval()
     ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(0))
     hidden = batch_hidden(_batch(ids), tgt, obj.layers)
-    drafter = BlockDrafter(d)
-    a = 9
-    with torch.no_grad():
-        h = obj.blocks(_batch(ids), hidden, torch.tensor([[a]]))[0, 0]  # [n, H]
-        p_train = torch.softmax(d.logits(h[1:]).float(), -1)  # [n-1, DV]
-    drafter.begin(ids[0, :a], {k: v[0, :a] for k, v in hidden.items()})
-    tree = drafter.propose(int(ids[0, a]), {"temperature": 1.0}, torch.Generator().manual_seed(0))
+    p_train, tree = scored_and_drafted(obj, ids, hidden, 9)  # [n-1, DV], and the drafter's tree
     q = tree.draft_probs[1:]  # [n-1, V]
     assert q.shape[1] == 64 and float(q[:, [i for i in range(64) if i not in VOCAB]].abs().max()) == 0.0
     torch.testing.assert_close(q[:, VOCAB], p_train, rtol=1e-4, atol=1e-6)
