@@ -1,7 +1,8 @@
 """Training memory per family and target, with the resident weights and optimizer state broken out, and JSON.
 
-    python scripts/bench_memory.py [--families medusa eagle eagle3] [--targets smollm2-135m random:gemma3-262k]
+    python scripts/bench_memory.py [--families medusa eagle eagle3 block] [--targets smollm2-135m random:gemma3-262k]
         [--lengths 768 2048 8192] [--steps 3] [--quickstart-steps 5] [--out runs/bench/memory.json]
+        [--set block:head.draft_vocab_size=32768 ...]
 
 Why: a loss that holds fp32 logits [tokens, V] for every head or TTT step grows with the vocabulary; the families
 compute theirs in row chunks (train/losses.py). This measures what a training job holds: per cell (family ×
@@ -11,7 +12,7 @@ on synthetic rows of exactly that length (assistant tokens after a 16-token prom
 resident weights (target + draft), the optimizer state, the peak net of those two, and that net less the
 ``runtime``: what was resident when the loop began besides the weights (on CPU the interpreter, libraries and
 data, ~0.4-0.6 GB; on CUDA ~0), i.e. what the training steps themselves add beyond the optimizer state. ``ratios`` compares each family's net
-peak on the largest-vocabulary target with the smallest at the same length.
+peak on the largest-vocabulary target with the smallest at the same length, per family and ``--set`` variant.
 
 Targets: any ``target.name`` the entries load (``smollm2-135m``, a local directory, later ``gemma3-270m``), or
 ``random:gemma3-262k``: Gemma-3-270M's shape (vocabulary 262,144, hidden 640, 18 layers, sliding window 512 on
@@ -38,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from draftheads.heads.checkpoint import atomic_write_text
+from draftheads.heads.registry import FAMILIES as REGISTERED
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("medusa", "eagle", "eagle3")
+# every registered family with a training entry (train/<family>.py), in registry order
+FAMILIES = tuple(f for f in REGISTERED if (REPO / "train" / f"{f}.py").is_file())
 PROMPT_TOKENS = 16  # leading non-assistant tokens of every synthetic row
 TOKEN_IDS = 49152  # synthetic rows draw ids below this (inside every target's vocabulary)
 # Gemma-3-270M's text config (google/gemma-3-270m), random weights: the 262k-vocabulary stand-in
@@ -57,8 +60,12 @@ RANDOM_TARGETS = {"random:gemma3-262k": ("gemma3_text", GEMMA3_270M),
 # scripts/quickstart.sh's Medusa training (its STEPS default is 100)
 QUICKSTART = ["data=sharegpt_small", "train.batch_size=4", "head.share_lm_head=true", "optim.lr=2e-3",
               "train.save_every=50", "train.overwrite=true"]
-# per family: what the cells change from conf/<family>.yaml (Medusa as the quickstart trains it)
-FAMILY_OVERRIDES = {"medusa": ["head.share_lm_head=true"], "eagle": [], "eagle3": []}
+# per family: what the cells change from conf/<family>.yaml (Medusa as the quickstart trains it); others: nothing
+FAMILY_OVERRIDES = {"medusa": ["head.share_lm_head=true"]}
+
+
+def family_overrides(family: str, extra: list[str] | None = None) -> list[str]:
+    return [*FAMILY_OVERRIDES.get(family, []), *(extra or [])]
 
 
 # ------------------------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         overrides = [*QUICKSTART, *overrides]
     else:  # the training steps only: no held-out split, no checkpoint before the final one
         overrides += [f"target.name={spec['target']}", "train.batch_size=1", "train.eval_tokens=0",
-                      "train.sim_tau_examples=0", "train.save_every=0", *FAMILY_OVERRIDES[family]]
+                      "train.sim_tau_examples=0", "train.save_every=0", *family_overrides(family, spec.get("set"))]
         data = synthetic_data(spec["length"], spec["steps"])
         entry.prepare_data = lambda cfg, tokenizer: data
     if target is not None:
@@ -243,17 +250,21 @@ def launch(spec: dict[str, Any], max_rss_gb: float, timeout: float) -> dict[str,
 
 
 def ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per family and length: net peak on the largest-vocabulary target / on the smallest (both ran)."""
+    """Per family, ``--set`` variant and length: net peak on the largest-vocabulary target / on the smallest."""
     out = []
     ok = [c for c in cells if c.get("status") == "ok" and not c.get("quickstart")]
-    for fam in FAMILIES:
-        for length in sorted({c["length"] for c in ok if c["family"] == fam}):
-            row = sorted((c for c in ok if c["family"] == fam and c["length"] == length), key=lambda c: c["vocab_size"])
+    variants = list(dict.fromkeys((c["family"], tuple(c.get("set") or ())) for c in ok))
+    for fam, extra in variants:
+        mine = [c for c in ok if c["family"] == fam and tuple(c.get("set") or ()) == extra]
+        for length in sorted({c["length"] for c in mine}):
+            row = sorted((c for c in mine if c["length"] == length), key=lambda c: c["vocab_size"])
             if len(row) < 2 or row[0]["vocab_size"] == row[-1]["vocab_size"]:
                 continue
             small, large = row[0], row[-1]
             r = {"family": fam, "length": length, "small": small["target"], "large": large["target"],
                  "net_ratio": round(large["net_mb"] / small["net_mb"], 3)}
+            if extra:
+                r["set"] = list(extra)
             r["net_less_runtime_ratio"] = round(large["net_less_runtime_mb"] / small["net_less_runtime_mb"], 3)
             out.append(r)
     return out
@@ -263,7 +274,7 @@ def table(cells: list[dict[str, Any]]) -> str:
     head = ("target", "family", "T", "status", "peak MB", "weights", "optimizer", "net", "net-runtime", "s/step")
     rows = [head]
     for c in cells:
-        name = "quickstart medusa" if c.get("quickstart") else c["family"]
+        name = "quickstart medusa" if c.get("quickstart") else " ".join([c["family"], *(c.get("set") or [])])
         length = f"{c['steps']} steps" if c.get("quickstart") else str(c["length"])
         if c["status"] != "ok":
             rows.append((c["target"], name, length, c["status"], f">{c.get('rss_seen_mb', 0):.0f}", "", "", "", "", ""))
@@ -301,10 +312,18 @@ def main() -> None:
                     "the memory available at start)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per cell")
     ap.add_argument("--out", default="runs/bench/memory.json")
+    ap.add_argument("--set", nargs="+", default=[], metavar="FAMILY:KEY=VALUE",
+                    help="an extra override for one family's cells, e.g. block:head.draft_vocab_size=32768")
     a = ap.parse_args()
     if a.cell:
         print("CELL " + json.dumps(run_cell(json.loads(a.cell))), flush=True)
         return
+    extra: dict[str, list[str]] = {}
+    for item in a.set:
+        fam, _, override = item.partition(":")
+        if fam not in FAMILIES or "=" not in override:
+            ap.error(f"--set {item!r}: expected FAMILY:KEY=VALUE with FAMILY one of {', '.join(FAMILIES)}")
+        extra.setdefault(fam, []).append(override)
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
@@ -314,12 +333,12 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": " ".join(["python", "scripts/bench_memory.py", *sys.argv[1:]]), "host": host(), "device": device,
         "batch_size": 1, "steps": a.steps, "prompt_tokens": PROMPT_TOKENS, "max_rss_gb": round(max_rss, 1),
-        "families": {f: FAMILY_OVERRIDES[f] for f in a.families}, "cells": []}
+        "families": {f: family_overrides(f, extra.get(f)) for f in a.families}, "cells": []}
     specs = []
     if a.quickstart_steps:
         specs.append({"family": "medusa", "target": "smollm2-135m", "quickstart": True, "steps": a.quickstart_steps,
                       "length": None})
-    specs += [{"family": f, "target": t, "length": n, "steps": a.steps}
+    specs += [{"family": f, "target": t, "length": n, "steps": a.steps, **({"set": extra[f]} if f in extra else {})}
               for t in a.targets for n in sorted(a.lengths) for f in a.families]
     for spec in specs:
         print(f"cell {spec['target']} {spec['family']} {'quickstart' if spec.get('quickstart') else spec['length']} ...",
