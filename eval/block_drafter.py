@@ -55,6 +55,10 @@ class LayerCaches:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.caches[layer_idx].length
 
+    def filled(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's filled keys/values [1, nkv, length, d] (views)."""
+        return [(c.layers[0].keys, c.layers[0].values) for c in self.caches]
+
 
 class BlockDrafter:
     """Drafter protocol (eval.generate) for a block draft: a chain of ``tokens`` drafts from one forward."""
@@ -97,13 +101,7 @@ class BlockDrafter:
         ids = torch.full((1, n), int(root), dtype=torch.long, device=dev)
         is_mask = torch.arange(n, device=dev)[None] > 0  # [1, n]: entry 0 is the root
         x = self.draft.block(ids, is_mask)  # [1, n, H]
-        allowed = torch.ones(1, n, c + n, dtype=torch.bool, device=dev)
-        if self.draft.kv:
-            ctx = [(cache.k[..., :c, :], cache.v[..., :c, :]) for cache in self.cache.caches]
-            h = self.draft(x, torch.arange(c, c + n, device=dev)[None], allowed, ctx)[0, 1:]  # [k, H]
-        else:
-            h = self.draft(x, torch.arange(c, c + n, device=dev)[None], allowed, self.cache)[0, 1:]  # [k, H]
-            self.cache.crop(c)  # the block's entries are never committed
+        h = self.draft.run_block(x, torch.arange(c, c + n, device=dev)[None], self.cache)[0, 1:]  # [k, H]
         logits = self.draft.logits(h).float()  # [k, out_vocab]: V, or DV with a draft vocabulary
         probs = None
         if sampling is None:
@@ -131,13 +129,7 @@ class BlockDrafter:
             dev = self.device
             x = self.draft.context(self._pending.to(dev)[None])  # [1, m, H]
             pos = torch.arange(c, c + m, device=dev)[None]
-            if self.draft.kv:
-                for cache, (k, v) in zip(self.cache.caches, self.draft.context_kv(x, pos)):
-                    cache.update(k, v)
-            else:
-                allowed = torch.ones(1, m, c + m, dtype=torch.bool, device=dev)
-                allowed[0, :, c:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-                self.draft(x, pos, allowed, self.cache)
+            self.draft.commit(x, pos, self.cache)
             self.committed += m
         self._pending = self._pending[:0]
 

@@ -25,7 +25,6 @@ is never drafted.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,12 +32,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
-from draftheads.heads.block_layers import KV, InjectedLayer, context_kv, kv_layer_config, kv_rotary
 from draftheads.heads.checkpoint import read_head, save_head
-from draftheads.heads.eagle import (_base, _layer_fields, attention_bias, draft_layer_config, family_init,
-                                    rotary_kwargs)
+from draftheads.heads.eagle import _base, _layer_fields, draft_layer_config
 from draftheads.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftheads.heads.eagle3_vocab import check_vocab_mapping, vocab_mapping
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
@@ -124,7 +119,20 @@ def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None 
 
 
 class BlockDraft(nn.Module):
-    """Context entries fc(concat_l h_l) and block entries [embed(root), mask, ...] -> N decoder layers -> norm."""
+    """Context entries fc(concat_l h_l) and block entries [embed(root), mask, ...] -> N decoder layers -> norm.
+
+    What the layouts share lives here (config checks, ``fc`` and norms, the draft vocabulary, logits,
+    checkpoints); how the context reaches the blocks is a subclass per ``config.context``, which
+    ``BlockDraft(config, target)`` picks, so callers never branch on the layout. Layout methods: :meth:`block`
+    (entries), :meth:`forward`, :meth:`rows` (training: every block of a batch in one forward) and
+    :meth:`commit` / :meth:`run_block` (decoding against per-layer caches)."""
+
+    def __new__(cls, config: BlockConfig, *args: Any, **kwargs: Any) -> "BlockDraft":
+        if cls is BlockDraft:
+            from draftheads.heads.block_layouts import LAYOUTS  # they subclass this one
+
+            cls = LAYOUTS[config.context]
+        return super().__new__(cls)
 
     def __init__(self, config: BlockConfig, target: FrozenTarget):
         super().__init__()
@@ -139,37 +147,20 @@ class BlockDraft(nn.Module):
         lc.num_hidden_layers = config.num_layers
         if getattr(lc, "layer_types", None):
             lc.layer_types = ["full_attention"] * config.num_layers
-        self.layer_config = lc
         base = _base(target)
-        self.kv = config.context == "kv"
         self.fc = nn.Linear(len(config.context_layers) * H, H, bias=False)
         eps = float(getattr(lc, "rms_norm_eps", 1e-6))
-        norm_cls = Qwen3RMSNorm if self.kv else type(base.norm)  # kv: plain RMSNorm everywhere, as DFlash
+        norm_cls = self._norm_class(base)
         self.context_norm = norm_cls(H, eps=eps)
-        if self.kv:
-            lc = kv_layer_config(lc)
-            self.layer_config = lc
-            self.layers = nn.ModuleList([InjectedLayer(lc) for _ in range(config.num_layers)])
-        else:
-            self.mask_embedding = nn.Parameter(torch.zeros(H))
-            layer_cls = type(target.decoder_layers()[0])  # the target family's own layer
-            self.layers = nn.ModuleList([layer_cls(lc, layer_idx=i) for i in range(config.num_layers)])
-            params = inspect.signature(layer_cls.forward).parameters
-            self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.layer_config = self._build_layers(lc, target)
         self.norm = norm_cls(H, eps=eps)
-        self.rotary = kv_rotary(lc) if self.kv else type(base.rotary_emb)(config=lc)
-        self._rope_kw = {} if self.kv else rotary_kwargs(self.rotary, lc)
-        if not self.kv:
-            for layer in self.layers:
-                family_init(layer, target)
         std = float(getattr(lc, "initializer_range", 0.02))
         for m in [self.fc, *self.layers.modules()]:
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0.0, std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        if not self.kv:
-            nn.init.normal_(self.mask_embedding, 0.0, std)
+        self._init_extra(std)
         # start at the target's output scale: its lm_head reads its own final norm (SmolLM2's gains average 1.8; a
         # kv draft started at ones ended a 500-step run at 0.98, about half the target's logit scale). A same-class
         # norm is copied as stored (Gemma keeps w, the gain is 1 + w); another class gets the gain itself
@@ -189,6 +180,37 @@ class BlockDraft(nn.Module):
             self.register_buffer("d2t", torch.zeros(DV, dtype=torch.int64))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
             self.set_vocab(torch.arange(DV))  # placeholder until the counted vocabulary (or a checkpoint) arrives
+
+    # ------------------------------------------------------------------ what a layout provides
+    def _norm_class(self, base: nn.Module) -> type[nn.Module]:
+        raise NotImplementedError
+
+    def _build_layers(self, lc: Any, target: FrozenTarget) -> Any:
+        """Set ``self.layers`` (and the rotary tables) from the layer config ``lc``; return the config they use."""
+        raise NotImplementedError
+
+    def _init_extra(self, std: float) -> None:
+        """Initialize the layout's own parameters beyond the Linear layers."""
+
+    def block(self, ids: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
+        """[B, N] token ids and mask flags -> [B, N, H] block entries (a mask entry ignores its id)."""
+        raise NotImplementedError
+
+    def rows(self, ctx: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor, blk: torch.Tensor, blk_pos: torch.Tensor,
+             blk_allowed: torch.Tensor) -> torch.Tensor:
+        """Training: context entries [B, T, H] at positions and documents [B, T], block entries [B, S, H] at
+        [B, S] that may see ``blk_allowed`` [B, S, T + S] (context, then blocks) -> [B, S, H] block outputs."""
+        raise NotImplementedError
+
+    def commit(self, x: torch.Tensor, pos: torch.Tensor, caches: Any) -> None:
+        """Decoding: context entries [1, m, H] at positions [1, m] (causal among themselves) into ``caches``: one
+        cache per layer, with ``update(k, v, layer_idx)``, ``crop(n)`` and ``filled()`` -> [(k, v)] per layer."""
+        raise NotImplementedError
+
+    def run_block(self, x: torch.Tensor, pos: torch.Tensor, caches: Any) -> torch.Tensor:
+        """Decoding: block entries [1, n, H] at positions [1, n], seeing every committed entry and each other ->
+        [1, n, H]; ``caches`` hold the committed entries only, before and after."""
+        raise NotImplementedError
 
     def set_vocab(self, vocab_ids: Sequence[int] | torch.Tensor) -> None:
         """Use the draft vocabulary ``vocab_ids`` (target ids): the mapping, and the target lm_head's rows."""
@@ -225,46 +247,11 @@ class BlockDraft(nn.Module):
         for m in (self.fc, self.context_norm, self.layers, self.norm, getattr(self, "lm_head", None)):
             if m is not None:
                 m.to(dtype)
-        if not self.kv:
-            self.mask_embedding.data = self.mask_embedding.data.to(dtype)
         return self
 
     def context(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., n_layers·H] target hidden states (concatenated in ``context_layers`` order) -> [.., H] entries."""
         return self.context_norm(self.fc(hidden.to(self.fc.weight.dtype)))
-
-    def block(self, ids: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
-        """[B, N] token ids and mask flags -> [B, N, H] block entries (a mask entry ignores its id)."""
-        if self.kv:  # the mask token's frozen embedding, as engines loading a DFlash export compute it
-            ids = torch.where(is_mask, torch.full_like(ids, int(self.config.mask_token_id)), ids)
-            return self._embed(ids).to(self.fc.weight.dtype)  # [B, N, H]
-        e = self._embed(ids).to(self.fc.weight.dtype)  # [B, N, H]
-        return torch.where(is_mask[..., None], self.mask_embedding.to(e.dtype), e)
-
-    def context_kv(self, ctx: torch.Tensor, position_ids: torch.Tensor) -> list[KV]:
-        """kv: context entries [B, T, H] (from :meth:`context`) at positions [B, T] -> each layer's keys/values."""
-        assert self.kv, "context_kv is the kv layout's"
-        cos, sin = self.rotary(ctx, position_ids, **self._rope_kw)
-        return context_kv(self.layers, ctx, cos.to(ctx.dtype), sin.to(ctx.dtype))
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor, cache: Any = None,
-                ) -> torch.Tensor:
-        """Entries x [B, S, H] at positions [B, S] -> [B, S, H] normed. ``allowed`` [B, S, K]: prefix, K = cached +
-        S and ``cache`` the layers' KV cache (or None); kv, K = T + S and ``cache`` the layers' context keys/values
-        [B, nkv, T, d] (:meth:`context_kv`)."""
-        if self.kv:
-            cos, sin = self.rotary(x, position_ids, **self._rope_kw)
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-            for layer, ctx in zip(self.layers, cache):
-                x = layer(x, cos, sin, ctx, allowed)
-            return self.norm(x)
-        pos_emb = self.rotary(x, position_ids, **self._rope_kw)
-        mask = attention_bias(allowed, self.attn_impl, x.dtype)
-        for layer in self.layers:
-            out = layer(x, attention_mask=mask, position_ids=position_ids, use_cache=cache is not None,
-                        position_embeddings=pos_emb, **{self._cache_kw: cache})
-            x = out[0] if isinstance(out, tuple) else out
-        return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[.., H] draft outputs -> [.., out_vocab]: the target's frozen lm_head, or its draft-vocabulary rows."""
@@ -300,3 +287,4 @@ class BlockDraft(nn.Module):
             raise ValueError(f"{where}: weights do not match its config: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         return draft
+

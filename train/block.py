@@ -105,15 +105,7 @@ class BlockObjective(nn.Module):
         own = torch.block_diag(*[torch.ones(n, n, dtype=torch.bool, device=dev)] * m)  # [m·n, m·n]
         blk_allowed = torch.cat([before[:, :, None].expand(B, m, n, T).reshape(B, m * n, T),
                                  own[None].expand(B, m * n, m * n)], dim=2)  # [B, m·n, T + m·n]
-        if self.draft.kv:  # the context enters as keys/values only: queries are the blocks' entries
-            return self.draft(blk, blk_pos, blk_allowed, self.draft.context_kv(ctx, pos)).reshape(B, m, n, -1)
-        x = torch.cat([ctx, blk], dim=1)  # [B, T + m·n, H]
-        positions = torch.cat([pos, blk_pos], dim=1)  # [B, T + m·n]
-        same = doc[:, :, None] == doc[:, None, :]  # [B, T, T]
-        ctx_allowed = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & same
-        ctx_allowed = torch.cat([ctx_allowed, ctx_allowed.new_zeros(B, T, m * n)], dim=2)  # [B, T, T + m·n]
-        h = self.draft(x, positions, torch.cat([ctx_allowed, blk_allowed], dim=1))  # [B, T + m·n, H]
-        return h[:, T:].reshape(B, m, n, -1)
+        return self.draft.rows(ctx, pos, doc, blk, blk_pos, blk_allowed).reshape(B, m, n, -1)  # [B, m, n, H]
 
     def _labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor, j: int,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
