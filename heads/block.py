@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from draftheads.heads.checkpoint import read_head, save_head
-from draftheads.heads.eagle import _base, _layer_fields, draft_layer_config
+from draftheads.heads.eagle import _base, _layer_fields, check_layer_fields, draft_layer_config, load_draft_weights
 from draftheads.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftheads.heads.eagle3_vocab import check_vocab_mapping, vocab_mapping
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
@@ -273,18 +273,9 @@ class BlockDraft(nn.Module):
         where = f"block-draft checkpoint {Path(path) / 'config.json'}"
         check_identity(cfg["target"], target.identity, where, strict_fingerprint=not allow_target_mismatch)
         config = BlockConfig(**cfg["head_config"])
-        current = _layer_fields(target.config)
-        for k, v in config.layer_config.items():
-            if k in current and current[k] != v:
-                raise ValueError(f"{where}: field layer_config.{k} is {v!r} there but {current[k]!r} for the "
-                                 f"loaded target {target.identity.name!r}")
+        check_layer_fields(config.layer_config, target, where)
         if config.draft_vocab_size:
             check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), config.draft_vocab_size, config.vocab_size,
                                 where)
-        draft = cls(config, target)
-        missing, unexpected = draft.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{where}: weights do not match its config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        return draft
+        return load_draft_weights(cls(config, target), tensors, where)
 

@@ -72,6 +72,30 @@ def _layer_fields(config: Any) -> dict[str, Any]:
     return {k: d[k] for k in LAYER_FIELDS if k in d}
 
 
+def check_layer_fields(saved: dict[str, Any], target: FrozenTarget, where: str) -> None:
+    """Refuse a draft whose layers were built from other target-config fields than the loaded target's."""
+    current = _layer_fields(target.config)
+    for k, v in saved.items():
+        if k in current and current[k] != v:
+            raise ValueError(f"{where}: field layer_config.{k} is {v!r} there but {current[k]!r} for the "
+                             f"loaded target {target.identity.name!r}")
+
+
+def check_target_layers(saved: Any, target: FrozenTarget, where: str) -> None:
+    if int(saved or 0) != target.num_layers:
+        raise ValueError(f"{where}: field num_target_layers is {saved} there but the loaded target has "
+                         f"{target.num_layers} layers")
+
+
+def load_draft_weights(draft: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:
+    """Load a checkpoint's tensors into a draft built from its config; refuse any missing or unexpected one."""
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not match its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    return draft
+
+
 def draft_layer_config(target: FrozenTarget) -> Any:
     """The target's config reduced to one layer: the draft layer is built exactly like the target's layers."""
     cfg = copy.deepcopy(target.config)
@@ -219,17 +243,6 @@ class EagleDraft(nn.Module):
         where = f"EAGLE checkpoint {Path(path) / 'config.json'}"
         check_identity(cfg["target"], target.identity, where, strict_fingerprint=not allow_target_mismatch)
         config = EagleConfig(**cfg["head_config"])
-        current = _layer_fields(target.config)
-        for k, v in config.layer_config.items():
-            if k in current and current[k] != v:
-                raise ValueError(f"{where}: field layer_config.{k} is {v!r} there but {current[k]!r} for the "
-                                 f"loaded target {target.identity.name!r}")
-        if config.num_target_layers != target.num_layers:
-            raise ValueError(f"{where}: field num_target_layers is {config.num_target_layers} there but the loaded "
-                             f"target has {target.num_layers} layers")
-        draft = cls(config, target)
-        missing, unexpected = draft.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{where}: weights do not match its config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        return draft
+        check_layer_fields(config.layer_config, target, where)
+        check_target_layers(config.num_target_layers, target, where)
+        return load_draft_weights(cls(config, target), tensors, where)

@@ -38,7 +38,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from draftheads.heads.checkpoint import read_head, save_head
-from draftheads.heads.eagle import _base, _layer_fields, attention_bias, draft_layer_config, family_init, rotary_kwargs
+from draftheads.heads.eagle import (_base, _layer_fields, attention_bias, check_layer_fields, check_target_layers,
+                                    draft_layer_config, family_init, load_draft_weights, rotary_kwargs)
 from draftheads.heads.eagle3_ttt import ttt_attention, ttt_attention_dense
 from draftheads.heads.eagle3_vocab import check_vocab_mapping, resolve_draft_vocab_size, vocab_mapping
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
@@ -324,19 +325,8 @@ class Eagle3Draft(nn.Module):
         where = f"EAGLE-3 checkpoint {Path(path)}"
         check_identity(cfg["target"], target.identity, where, strict_fingerprint=not allow_target_mismatch)
         hc = dict(cfg["head_config"])
-        if int(hc.get("num_target_layers", 0)) != target.num_layers:
-            raise ValueError(f"{where}: field num_target_layers is {hc.get('num_target_layers')} there but the loaded "
-                             f"target has {target.num_layers} layers")
+        check_target_layers(hc.get("num_target_layers"), target, where)
         config = Eagle3Config(**hc)
-        current = _layer_fields(target.config)
-        for k, v in config.layer_config.items():
-            if k in current and current[k] != v:
-                raise ValueError(f"{where}: field layer_config.{k} is {v!r} there but {current[k]!r} for the loaded "
-                                 f"target {target.identity.name!r}")
+        check_layer_fields(config.layer_config, target, where)
         check_vocab_mapping(tensors.get("d2t"), tensors.get("t2d"), config.draft_vocab_size, config.vocab_size, where)
-        draft = cls(config, target)
-        missing, unexpected = draft.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{where}: weights do not match its config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        return draft
+        return load_draft_weights(cls(config, target), tensors, where)
