@@ -79,8 +79,9 @@ def test_training_scores_in_vocabulary_labels_and_sampling_reports_target_ids(co
     anchors, valid = obj._anchors(batch)
     assert torch.isfinite(loss)
     outside = 0
+    every, ok_every = obj._labels(batch, anchors, valid)  # [B, m, n-1]
     for j in range(1, 4):
-        labels, ok = obj._labels(batch, anchors, valid, j)
+        labels, ok = every[..., j - 1], ok_every[..., j - 1]
         inside = torch.isin(labels[ok], torch.tensor(VOCAB))
         assert float(stats[f"top1/j{j}"][1]) == int(ok.sum())
         assert float(stats[f"ce/j{j}"][1]) == int(inside.sum())

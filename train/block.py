@@ -107,28 +107,34 @@ class BlockObjective(nn.Module):
                                  own[None].expand(B, m * n, m * n)], dim=2)  # [B, m·n, T + m·n]
         return self.draft.rows(ctx, pos, doc, blk, blk_pos, blk_allowed).reshape(B, m, n, -1)  # [B, m, n, H]
 
-    def _labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor, j: int,
+    def _labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(labels [B, m] = x_{a+j}, ok [B, m]: a valid anchor whose x_{a+j} is a label of a's document)."""
+        """(labels [B, m, n-1] = x_{a+j} for j = 1..n-1, ok [B, m, n-1]: a valid anchor whose x_{a+j} is a label of
+        a's document)."""
         ids = batch["input_ids"]
-        T = ids.shape[1]
+        B, T = ids.shape
         doc, _ = _doc_and_pos(batch)
-        at = (anchors + j).clamp(max=T - 1)
+        at = anchors[:, :, None] + torch.arange(1, self.n, device=ids.device)  # [B, m, n-1]
+        inside = at < T
+        at = at.clamp(max=T - 1).reshape(B, -1)
         lm = batch["loss_mask"].bool() & batch["attention_mask"].bool()
-        ok = valid & (anchors + j < T) & lm.gather(1, at) & (doc.gather(1, at) == doc.gather(1, anchors))
-        return ids.gather(1, at), ok
+        same = doc.gather(1, at) == doc.gather(1, anchors).repeat_interleave(self.n - 1, dim=1)
+        ok = valid[:, :, None] & inside & (lm.gather(1, at) & same).view(B, -1, self.n - 1)
+        return ids.gather(1, at).view(B, -1, self.n - 1), ok
 
     def forward(self, batch: dict[str, torch.Tensor]):
         hidden = batch_hidden(batch, self.target, self.layers)
         anchors, valid = self._anchors(batch)
         h = self.blocks(batch, hidden, anchors)  # [B, m, n, H]
+        labels, ok = self._labels(batch, anchors, valid)  # [B, m, n-1]
+        column = self._columns()
         loss = torch.zeros((), device=h.device)
         stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         total_ce, total_n = torch.zeros((), device=h.device), torch.zeros((), device=h.device)
         for j in range(1, self.n):  # every position runs, even without labels: ZeRO-3/FSDP forwards are collective
-            labels, ok = self._labels(batch, anchors, valid, j)
-            r = ok.sum().float()  # top-1's denominator: a label outside the draft vocabulary is a miss
-            rows, y = self._scored(h[:, :, j][ok], labels[ok])  # [r', H], [r'] in the draft's output ids
+            okj = ok[..., j - 1]
+            r = okj.sum().float()  # top-1's denominator: a label outside the draft vocabulary is a miss
+            rows, y = self._scored(h[:, :, j][okj], labels[..., j - 1][okj], column)  # [r', H], [r'] draft ids
             fused = linear_cross_entropy(rows, self.draft.frozen_lm_head(), y, 1)
             ce, hits = fused if fused is not None else chunked_sum(self._chunk_ce, rows, y,
                                                                    vocab=self.draft.out_vocab)
@@ -140,12 +146,18 @@ class BlockObjective(nn.Module):
         stats["ce"] = (total_ce, total_n)
         return loss, stats
 
-    def _scored(self, rows: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [r, H] and target-id labels [r] -> those the draft's logits can score, labels as logit columns."""
+    def _columns(self) -> torch.Tensor | None:
+        """[V] target id -> draft id (valid where t2d) with a draft vocabulary, else None."""
         if not self.draft.config.draft_vocab_size:
+            return None
+        return self.draft.t2d.long().cumsum(0) - 1
+
+    def _scored(self, rows: torch.Tensor, y: torch.Tensor, column: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [r, H] and target-id labels [r] -> those the draft's logits can score, labels as logit columns."""
+        if column is None:
             return rows, y
         inside = self.draft.t2d[y]  # [r]
-        column = self.draft.t2d.long().cumsum(0) - 1  # [V]: target id -> draft id (valid where t2d)
         return rows[inside], column[y[inside]]
 
     def _chunk_ce(self, rows: torch.Tensor, y: torch.Tensor, stats: bool = True):
