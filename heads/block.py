@@ -127,8 +127,8 @@ class BlockDraft(nn.Module):
     (entries), :meth:`forward`, :meth:`rows` (training: every block of a batch in one forward) and
     :meth:`commit` / :meth:`run_block` (decoding against per-layer caches)."""
 
-    def __new__(cls, config: BlockConfig, *args: Any, **kwargs: Any) -> "BlockDraft":
-        if cls is BlockDraft:
+    def __new__(cls, config: BlockConfig | None = None, *args: Any, **kwargs: Any) -> "BlockDraft":
+        if cls is BlockDraft:  # (a layout class itself, as copy and pickle call it, is built as it is)
             from draftheads.heads.block_layouts import LAYOUTS  # they subclass this one
 
             cls = LAYOUTS[config.context]

@@ -257,3 +257,25 @@ def test_tree_lookup_branch_reaches_the_block_drafter(tmp_path):
     assert isinstance(d, LookupBranch) and desc["lookup_branch"] == 5 and d.inner.k == 2
     assert not isinstance(build_drafter("block", tgt, str(tmp_path / "h"), {"depth": 2}, torch.float32)[0],
                           LookupBranch)
+
+
+@CONTEXTS
+def test_each_layout_is_its_own_class_and_copies(context):
+    """BlockDraft(config) builds the layout the config names; a deep copy (as EMA or a checkpoint helper makes) keeps
+    the class and the weights, and decodes the same block."""
+    import copy
+
+    from draftheads.heads.block_layouts import LAYOUTS
+
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
+    d = _draft(tgt, context=context)
+    assert type(d) is LAYOUTS[context]
+    e = copy.deepcopy(d)
+    assert type(e) is type(d)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    hidden = batch_hidden(_batch(ids), tgt, d.config.context_layers)
+    got = [BlockDrafter(x) for x in (d, e)]
+    for drafter in got:
+        drafter.begin(ids[0, :10], {k: v[0, :10] for k, v in hidden.items()})
+    a, b = (drafter.propose(int(ids[0, 10]), None, None).tokens for drafter in got)
+    assert torch.equal(a, b)
