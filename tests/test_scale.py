@@ -627,3 +627,36 @@ def test_publish_keeps_only_the_published_heads_figures(tmp_path):
     with pytest.raises(ValueError, match="not the checkpoint being published"):
         tau_rows([acc], heads["best"])
     assert tau_rows([acc], heads["best"], optional=(acc,)) == []  # the run's own eval.json: skipped, not an error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["ddp", "zero2", "zero3", "fsdp"])
+def test_the_block_draft_trains_under_every_engine_and_saves_a_loadable_head(tmp_path, tiny_target_dir, chat_file,
+                                                                             config):
+    """The block family goes through the shared loop's engines like the others: 2 processes, the real engine, every
+    step logged with a finite loss, held-out metrics, and a head that loads. Its losses are not compared with one
+    process: its anchors are drawn from each process's own RNG, so the two runs score different blocks."""
+    import math
+
+    from draftheads.heads.block import BlockDraft
+    from draftheads.heads.target import load_target
+
+    out = tmp_path / config
+    kw = {"train.max_steps": 3, "train.save_every": 3, "train.eval_every": 3, "train.eval_tokens": 200,
+          "optim.lr": 3e-3, "head.context_layers": "[1,2,3]", "head.block_size": 4, "head.anchors": 4,
+          "train.batch_size": 2}
+    _launch(config, 2, "block", tiny_train_overrides(tiny_target_dir, chat_file, out, **kw)
+            + [f"hydra.run.dir={out}"])
+    launch = _info(out)["launch"]
+    assert launch["num_processes"] == 2
+    assert launch["mode"] == {"ddp": "ddp", "fsdp": "fsdp"}.get(config, "deepspeed")
+    if config.startswith("zero"):
+        assert launch["zero_stage"] == int(config[-1]) and launch["engine"] == "DeepSpeedEngine"
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+    assert any("heldout_ce" in r and math.isfinite(r["heldout_ce"]) for r in rows)
+    tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    for ckpt in (out / "checkpoints" / "step-000003", out / "final"):  # full weights, gathered on rank 0
+        draft = BlockDraft.from_pretrained(ckpt, tgt)
+        assert draft.config.block_size == 4 and all(torch.isfinite(p).all() for p in draft.parameters())
