@@ -279,3 +279,27 @@ def test_each_layout_is_its_own_class_and_copies(context):
         drafter.begin(ids[0, :10], {k: v[0, :10] for k, v in hidden.items()})
     a, b = (drafter.propose(int(ids[0, 10]), None, None).tokens for drafter in got)
     assert torch.equal(a, b)
+
+
+def test_anchors_depend_on_seed_step_and_row_not_on_padding_or_batch():
+    """Training anchors come from (seed, step, the row's tokens): a row padded into a batch with a longer one draws
+    what it draws alone, another step or seed draws others, and held-out draws ignore the training step."""
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
+    obj = BlockObjective(_draft(tgt), tgt, anchors=5, seed=7).train()
+    g = torch.Generator().manual_seed(0)
+    short, long = torch.randint(3, 64, (1, 20), generator=g), torch.randint(3, 64, (1, 30), generator=g)
+    alone = obj._anchors(_batch(short))
+    padded = torch.cat([short, torch.zeros(1, 10, dtype=torch.long)], 1)
+    both = {"input_ids": torch.cat([padded, long]), "attention_mask": torch.cat([_batch(padded)["attention_mask"]
+            .masked_fill(padded == 0, 0), torch.ones_like(long)]), "loss_mask": torch.ones(2, 30, dtype=torch.long)}
+    both["loss_mask"][0, 20:] = 0
+    in_batch = obj._anchors(both)
+    assert sorted(alone[0][0][alone[1][0]].tolist()) == sorted(in_batch[0][0][in_batch[1][0]].tolist())
+    obj.begin_step(1)
+    assert not torch.equal(obj._anchors(_batch(short))[0], alone[0])
+    other_seed = BlockObjective(obj.draft, tgt, anchors=5, seed=8).train()
+    assert not torch.equal(other_seed._anchors(_batch(short))[0], alone[0])
+    obj.eval()
+    held = obj._anchors(_batch(short))[0]
+    obj.begin_step(5)
+    assert torch.equal(obj._anchors(_batch(short))[0], held)

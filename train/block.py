@@ -1,7 +1,8 @@
 """Train a block draft (DFlash-style) on a frozen target: ``accelerate launch train/block.py [overrides]``.
 
 Per row, ``head.anchors`` random anchor positions a are drawn among the positions whose next token is an
-assistant token. Each anchor's block is [x_a, mask, ..., mask] at positions a .. a+n-1 (n = ``head.block_size``);
+assistant token, from a generator keyed by (``train.seed``, step, the row's tokens): the same row at the same step
+gets the same anchors under any launch topology, batch padding or resume. Each anchor's block is [x_a, mask, ..., mask] at positions a .. a+n-1 (n = ``head.block_size``);
 it attends to the context entries of the same document before a (the target's hidden states at 0..a-1, exactly
 what decoding has when x_a is the root) and bidirectionally within itself. Block entry j >= 1 is trained with
 cross-entropy on x_{a+j} (the data's token: in the recipe, the target's own continuation), weighted decay^(j-1)
@@ -20,6 +21,7 @@ Reads top to bottom: setup (devices, target, data, draft, features), loop (share
 from __future__ import annotations
 
 import logging
+import zlib
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows,
 
 log = logging.getLogger(__name__)
 HELDOUT_NAMES = {"ce": "heldout_ce", "top1/j1": "heldout_top1"}
-EVAL_SEED = 1234  # held-out anchors are drawn from their own generator: evaluation never moves the training RNG
+EVAL_SEED = 1234  # keys the held-out rows' anchors: the same draw at every evaluation, whatever training did
 
 
 def _doc_and_pos(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +57,8 @@ def _doc_and_pos(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
 class BlockObjective(nn.Module):
     """Σ_j decay^(j-1) · CE(block entry j, x_{a+j}) over random anchors a (see the module doc)."""
 
-    def __init__(self, draft: BlockDraft, target: FrozenTarget, anchors: int = 32, decay: float = 0.8):
+    def __init__(self, draft: BlockDraft, target: FrozenTarget, anchors: int = 32, decay: float = 0.8,
+                 seed: int = 0):
         super().__init__()
         if anchors < 1:
             raise ValueError(f"head.anchors must be >= 1, got {anchors}")
@@ -63,7 +66,8 @@ class BlockObjective(nn.Module):
             raise ValueError(f"head.decay must be in (0, 1], got {decay}")
         self.draft = draft
         object.__setattr__(self, "target", target)  # unregistered: never optimized, wrapped or saved
-        self.anchors, self.decay = int(anchors), float(decay)
+        self.anchors, self.decay, self.seed = int(anchors), float(decay), int(seed)
+        self._step = 0  # the optimizer step, set by the loop (begin_step): training anchors depend on it
         self.n = draft.config.block_size
         self.layers = list(draft.config.context_layers)  # what the features source must provide
 
@@ -73,14 +77,29 @@ class BlockObjective(nn.Module):
         per_row = shifted_valid(batch, 1).sum(1).clamp(max=self.anchors)
         return per_row.sum() * sum(self.decay ** (j - 1) for j in range(1, self.n))
 
+    def begin_step(self, step: int) -> None:
+        """Called by the shared loop before each optimizer step."""
+        self._step = int(step)
+
+    def _row_scores(self, batch: dict[str, torch.Tensor], width: int) -> torch.Tensor:
+        """[B, width] uniform scores for the positions that hold a token (-1 elsewhere), each row's from a generator
+        keyed by (seed, step, its tokens); held-out rows use a fixed key, so evaluation never moves with training."""
+        ids, real = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
+        key = repr((self.seed, self._step) if self.training else (EVAL_SEED, "heldout")).encode()
+        score = torch.full((ids.shape[0], width), -1.0)
+        for b in range(ids.shape[0]):
+            at = real[b].nonzero()[:, 0]  # the row's token positions, wherever the padding is
+            g = torch.Generator().manual_seed(zlib.crc32(ids[b, at].numpy().tobytes(), zlib.crc32(key)))
+            r = torch.rand(at.numel(), generator=g)  # one draw per token: the same for any padded width
+            inside = at < width
+            score[b, at[inside]] = r[inside]
+        return score
+
     def _anchors(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchors [B, m], valid [B, m]): up to ``head.anchors`` distinct random positions per row whose next
-        token is a label; held-out batches draw from a fixed generator."""
+        token is a label."""
         ok = shifted_valid(batch, 1)  # [B, T-1]
-        gen = None
-        if not self.training:
-            gen = torch.Generator(device=ok.device).manual_seed(EVAL_SEED)
-        score = torch.rand(ok.shape, generator=gen, device=ok.device)
+        score = self._row_scores(batch, ok.shape[1]).to(ok.device)
         score = torch.where(ok, score, torch.full_like(score, -1.0))
         m = min(self.anchors, ok.shape[1])
         top, idx = score.topk(m, dim=1)  # [B, m]
@@ -222,7 +241,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
                                           h.get("draft_vocab_reference"))
         draft.set_vocab(vocab)
     draft = draft.to(acc.device)
-    objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay))
+    objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay),
+                               int(cfg.train.seed))
     feats = feature_source(cfg, target, data, objective.layers)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)

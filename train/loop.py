@@ -6,7 +6,9 @@ holds the frozen target unregistered (so DDP/DeepSpeed never see its parameters)
 ``forward(batch)`` returns ``(loss_sum, stats)``: the loss summed over this micro-batch's valid
 tokens, and a dict ``name -> (sum, count)`` of tensors for logging. The loop divides by the number
 of valid tokens in the *global* batch (all micro-batches of all processes in one optimizer step),
-so 1 process × batch 2B and 2 processes × batch B give the same update.
+so 1 process × batch 2B and 2 processes × batch B give the same update. An objective that draws random choices
+per row (the block draft's anchors) may define ``begin_step(step)``: the loop calls it before every optimizer step,
+so the draws can depend on (seed, step, row) and not on the launch topology, the padding or the RNG's history.
 
 Launch topology comes from the launcher (``accelerate launch --config_file conf/launch/<x>.yaml``), never
 from the hyperparameters: single process, DDP (nccl on GPU, gloo on CPU), DeepSpeed ZeRO-2/3 (the real
@@ -201,6 +203,9 @@ class Trainer(CheckpointMixin, TauMixin, ReportMixin):
         self.model.train()
         micro = [self.collate([self.data[i] for i in idx]) for idx in self.batches.micro_batches(self.step)]
         micro = [{k: v.to(acc.device) for k, v in b.items()} for b in micro]
+        begin_step = getattr(self._unwrapped(), "begin_step", None)
+        if begin_step is not None:
+            begin_step(self.step)
         denom = self._global_count(micro).clamp(min=1.0)
         # accelerate (DDP, FSDP) / the DeepSpeed engine divide by grad_accum, and DDP's all-reduce, FSDP's
         # reduce-scatter and ZeRO's gradient reduction all average over processes: undo both so the
