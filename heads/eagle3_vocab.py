@@ -46,6 +46,11 @@ def vocab_mapping(vocab_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> t
     return d2t, t2d
 
 
+def draft_ids_of(t2d: torch.Tensor) -> torch.Tensor:
+    """[V] the draft id of every target id (-1 outside the draft vocabulary), from ``t2d`` [V] bool."""
+    return torch.where(t2d, t2d.long().cumsum(0) - 1, -1)
+
+
 def check_vocab_mapping(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab_size: int, vocab_size: int,
                         where: str) -> None:
     """Refuse a missing or inconsistent mapping with an error naming what is wrong."""

@@ -245,6 +245,10 @@ def test_draft_vocab_selection_and_mapping_round_trip(tmp_path):
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
     assert d2t.tolist() == [1, 2, 5, 6] and t2d.nonzero().view(-1).tolist() == [1, 3, 7, 9]
     assert (torch.arange(4) + d2t).tolist() == [1, 3, 7, 9]  # draft id -> target id
+    from draftheads.heads.eagle3_vocab import draft_ids_of
+
+    back = draft_ids_of(t2d)  # target id -> draft id, -1 outside
+    assert back.tolist() == [-1, 0, -1, 1, -1, -1, -1, 2, -1, 3, -1, -1]
     check_vocab_mapping(d2t, t2d, 4, 12, "ok")
     # through a module and a checkpoint: draft ids map back to the same target ids, lm_head rows follow
     tgt = from_model(tiny_model("llama", vocab_size=128))

@@ -2,9 +2,10 @@
 
 Per row, ``head.anchors`` random anchor positions a are drawn among the positions whose next token is an
 assistant token, from a generator keyed by (``train.seed``, step, the row's tokens): the same row at the same step
-gets the same anchors under any launch topology, batch padding or resume. Each anchor's block is [x_a, mask, ..., mask] at positions a .. a+n-1 (n = ``head.block_size``);
-it attends to the context entries of the same document before a (the target's hidden states at 0..a-1, exactly
-what decoding has when x_a is the root) and bidirectionally within itself. Block entry j >= 1 is trained with
+gets the same anchors under any launch topology, batch padding or resume. Each anchor's block is
+[x_a, mask, ..., mask] at positions a .. a+n-1 (n = ``head.block_size``); it attends to the context entries of
+the same document before a (the target's hidden states at 0..a-1, exactly what decoding has when x_a is the root)
+and bidirectionally within itself. Block entry j >= 1 is trained with
 cross-entropy on x_{a+j} (the data's token: in the recipe, the target's own continuation), weighted decay^(j-1)
 so the early positions, which every accepted chain needs, count most. Context entries run once per row, causal
 per document, and are shared by all its blocks.
@@ -33,6 +34,7 @@ from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
 from draftheads.heads.block import BlockDraft, block_config_for
+from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import feature_source, heldout_evaluator
 from draftheads.train.losses import chunked_sum, chunked_topk, linear_cross_entropy
@@ -166,10 +168,8 @@ class BlockObjective(nn.Module):
         return loss, stats
 
     def _columns(self) -> torch.Tensor | None:
-        """[V] target id -> draft id (valid where t2d) with a draft vocabulary, else None."""
-        if not self.draft.config.draft_vocab_size:
-            return None
-        return self.draft.t2d.long().cumsum(0) - 1
+        """[V] target id -> draft id (-1 outside) with a draft vocabulary, else None."""
+        return draft_ids_of(self.draft.t2d) if self.draft.config.draft_vocab_size else None
 
     def _scored(self, rows: torch.Tensor, y: torch.Tensor, column: torch.Tensor | None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:

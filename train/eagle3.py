@@ -43,6 +43,7 @@ from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
 from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
+from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import draft_sequence, feature_source, heldout_evaluator
 from draftheads.train.losses import SoftCrossEntropy, chunk_rows, chunked_sum, chunked_topk
@@ -162,11 +163,11 @@ class Eagle3Objective(nn.Module):
         tokens = torch.cat([ids[:, 1:], ids.new_zeros(B, k - 1)], dim=1)
         pos, step0 = self.draft_inputs(batch)
         outs = self.draft.rollout(aux, tokens, pos, step0, k)
-        draft_id_of = self.draft.t2d.long().cumsum(0) - 1
+        draft_id_of = draft_ids_of(self.draft.t2d)  # [V], -1 outside the draft vocabulary
         ranks = []
         for s in range(k):  # every step's lm_head runs on every rank, also for n = 0
             ref = ids[:, 2 + s: 2 + s + n_pos][win]  # [n] x_{t+2+s}
-            ref_d = torch.where(self.draft.t2d[ref], draft_id_of[ref], -1)
+            ref_d = draft_id_of[ref]
             top = chunked_topk(outs[s][:, :n_pos][win], self.draft.logits, top_k, self.draft.config.draft_vocab_size)
             ranks.append(reference_ranks(top, ref_d, top_k))
         return torch.stack(ranks, dim=1), considered
