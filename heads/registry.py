@@ -95,7 +95,7 @@ register(Family("eagle3", "draftheads.heads.eagle3:Eagle3Draft", "draftheads.eva
                 "EAGLE-3: fused low/mid/high features, training-time test, draft vocabulary", "EAGLE-3 draft",
                 exporter="draftheads.scripts.export"))
 register(Family("block", "draftheads.heads.block:BlockDraft", "draftheads.eval.block_drafter:build_block_drafter",
-                "draftheads.train.block", "draftheads.eval.block_drafter:SHAPE",
+                "draftheads.train.block", "draftheads.eval.block_shape:SHAPE",
                 "Block draft (DFlash-style): a few layers draft a whole block in one forward", "Block draft",
                 exporter="draftheads.heads.block_export"))
 register_baseline(Baseline("prompt_lookup", "draftheads.eval.baselines:build_prompt_lookup", f"{SHAPES}:LOOKUP",

@@ -34,14 +34,18 @@ PROMPT = [1, 2, 3]
 # temperature and top-k applied to the target (and handed to the drafter): two tokens per context have no mass, so
 # a drafted token the target cannot emit must always be rejected, and few cells make the check sharp at few runs
 SAMPLING = {"temperature": 0.9, "top_p": 1.0, "top_k": 2}
-FAMILIES = ("medusa", "eagle", "eagle3", "block", "block-dv")  # block-dv: a block draft with its own vocabulary
+# block-dv: a block draft with its own vocabulary; block-tree: a block draft's static tree over its positions
+FAMILIES = ("medusa", "eagle", "eagle3", "block", "block-dv", "block-tree")
 # the family's tree settings as eval reads them (conf/tree/default.yaml keys): depth 2, two children at the root
-# (the block draft proposes a chain of two, each token sampled from its position's q)
+# (the block draft proposes a chain of two, each token sampled from its position's q; its tree two siblings at the
+# root, drawn from position 1's q without replacement, and a child under the first)
 TREES = {"medusa": {"size": 5, "max_depth": 2}, "eagle": {"top_k": 2, "depth": 2, "nodes": 4},
-         "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"depth": 2}, "block-dv": {"depth": 2}}
+         "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"depth": 2}, "block-dv": {"depth": 2},
+         "block-tree": {"kind": "static", "paths": [[0], [1], [0, 0]]}}
 ALPHA, TV_FACTOR = 1e-3, 3.0  # eval/exactness.py's defaults for "consistent with the target"
-SAMPLES_ITS_DRAFTS = ("block", "block-dv")  # drafters whose children are drawn from the q they report
-CONTROLS = {"block": (1000, 1e-5), "block-dv": (1000, 1e-5)}  # negative controls: (runs, p-value bound); others (400, 1e-10)
+SAMPLES_ITS_DRAFTS = ("block", "block-dv", "block-tree")  # drafters whose children are drawn from the q they report
+# negative controls: (runs, p-value bound); others (400, 1e-10)
+CONTROLS = {"block": (1000, 1e-5), "block-dv": (1000, 1e-5), "block-tree": (1000, 1e-5)}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +70,7 @@ def _save_head(family: str, tgt: FrozenTarget, out: Path) -> Path:
         head = EagleDraft(eagle_config_for(tgt), tgt)
         for p in head.parameters():
             p.data.normal_(0, 0.3)
-    elif family in ("block", "block-dv"):
+    elif family.startswith("block"):
         from draftheads.heads.block import BlockDraft, block_config_for
 
         dv = 3 if family == "block-dv" else 0  # as EAGLE-3's below: draft ids 0, 1, 2 are target ids 0, 1, 3
