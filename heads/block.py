@@ -35,7 +35,7 @@ from torch import nn
 from draftheads.heads.checkpoint import read_head, save_head
 from draftheads.heads.eagle import _base, _layer_fields, check_layer_fields, draft_layer_config, load_draft_weights
 from draftheads.heads.eagle3 import check_aux_layers, default_aux_layers
-from draftheads.heads.eagle3_vocab import check_vocab_mapping, vocab_mapping
+from draftheads.heads.eagle3_vocab import DraftVocabIds, check_vocab_mapping, vocab_mapping
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "block"
@@ -118,7 +118,7 @@ def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None 
                        if context == "kv" else None, draft_vocab_size=int(draft_vocab_size))
 
 
-class BlockDraft(nn.Module):
+class BlockDraft(DraftVocabIds, nn.Module):
     """Context entries fc(concat_l h_l) and block entries [embed(root), mask, ...] -> N decoder layers -> norm.
 
     What the layouts share lives here (config checks, ``fc`` and norms, the draft vocabulary, logits,
@@ -229,14 +229,6 @@ class BlockDraft(nn.Module):
     def out_vocab(self) -> int:
         """Columns of :meth:`logits`: DV with a draft vocabulary, else the target's V."""
         return self.config.draft_vocab_size or self.config.vocab_size
-
-    def target_ids(self) -> torch.Tensor:
-        """[DV] the target id of each draft id (d2t is an offset: draft id i is target id i + d2t[i])."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        """Columns of :meth:`logits` (any shape) -> target ids."""
-        return ids + self.d2t[ids] if self.config.draft_vocab_size else ids
 
     @property
     def attn_impl(self) -> str:

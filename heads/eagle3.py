@@ -41,7 +41,8 @@ from draftheads.heads.checkpoint import read_head, save_head
 from draftheads.heads.eagle import (_base, _layer_fields, attention_bias, check_layer_fields, check_target_layers,
                                     draft_layer_config, family_init, load_draft_weights, rotary_kwargs)
 from draftheads.heads.eagle3_ttt import ttt_attention, ttt_attention_dense
-from draftheads.heads.eagle3_vocab import check_vocab_mapping, resolve_draft_vocab_size, vocab_mapping
+from draftheads.heads.eagle3_vocab import (DraftVocabIds, check_vocab_mapping, resolve_draft_vocab_size,
+                                           vocab_mapping)
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "eagle3"
@@ -114,7 +115,7 @@ def _rope_fn(attn: nn.Module):
     return fn
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(DraftVocabIds, nn.Module):
     """fc(aux) or fed-back h, with embed(x) -> one 2H-input decoder layer -> norm -> lm_head over DV."""
 
     def __init__(self, config: Eagle3Config, target: FrozenTarget, vocab_ids: Sequence[int] | None = None):
@@ -181,14 +182,6 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
         if init_lm_head_from is not None:
             self.lm_head.weight.copy_(init_lm_head_from.detach()[self.target_ids().to(init_lm_head_from.device)])
-
-    def target_ids(self) -> torch.Tensor:
-        """[DV] target id of every draft id."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocabulary ids (any shape) to target ids: i + d2t[i]."""
-        return draft_ids + self.d2t[draft_ids]
 
     # ------------------------------------------------------------------ forward pieces
     @property

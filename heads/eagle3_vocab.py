@@ -51,6 +51,22 @@ def draft_ids_of(t2d: torch.Tensor) -> torch.Tensor:
     return torch.where(t2d, t2d.long().cumsum(0) - 1, -1)
 
 
+class DraftVocabIds:
+    """Id mapping for a draft module with a ``d2t`` buffer and ``config.draft_vocab_size`` (0: no draft vocabulary,
+    its columns are target ids): shared by the EAGLE-3 and block drafts."""
+
+    d2t: torch.Tensor
+    config: object
+
+    def target_ids(self) -> torch.Tensor:
+        """[DV] the target id of each draft id (d2t is an offset: draft id i is target id i + d2t[i])."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids (any shape) -> target ids."""
+        return ids + self.d2t[ids] if self.config.draft_vocab_size else ids
+
+
 def check_vocab_mapping(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab_size: int, vocab_size: int,
                         where: str) -> None:
     """Refuse a missing or inconsistent mapping with an error naming what is wrong."""
