@@ -133,6 +133,8 @@ def test_build_block_drafter_reads_kind_paths_and_size(tmp_path):
     with pytest.raises(ValueError, match=r"tree depth 4 .*proposes 1\.\.3 positions"):
         build_block_drafter(tgt, head, {"kind": "static", "paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]},
                             torch.float32)
+    with pytest.raises(ValueError, match="tree rank 64 .*only 64 candidates per position"):
+        build_block_drafter(tgt, head, {"kind": "static", "paths": [[i] for i in range(65)]}, torch.float32)
     with pytest.raises(ValueError, match="tree.kind='dynamic'"):
         build_block_drafter(tgt, head, {"kind": "dynamic"}, torch.float32)
     with pytest.raises(ValueError, match="tree.paths gives a static tree"):
