@@ -84,12 +84,13 @@ class BlockDrafter:
         self.layers = tuple(draft.config.context_layers)  # what generate() must hand us from the target
         self._parents, self._depths = tree.parents, tree.depths
         self._mask = ancestor_mask(tree.parents)
-        self.topk = max(max(tree.max_rank()), max(self._siblings(tree)) + 1)
+        sib = torch.tensor(self._siblings(tree))  # [N-1] each node's index among its parent's children
+        self.topk = max(max(tree.max_rank()), int(sib.max()) + 1)
         if self.topk > draft.out_vocab:
             raise ValueError(f"tree rank {self.topk - 1} (tree.paths / tree.size): this block draft has only "
                              f"{draft.out_vocab} candidates per position")
         self._rank_at = (tree.depths[1:] - 1) * self.topk + tree.ranks[1:]  # [N-1] greedy: candidate (depth, rank)
-        self._draw_at = (tree.depths[1:] - 1) * self.topk + torch.tensor(self._siblings(tree))  # sampling: i-th draw
+        self._draw_at = (tree.depths[1:] - 1) * self.topk + sib  # sampling: the i-th child takes the i-th draw
         self.cache: LayerCaches | None = None
         self.committed = 0
         self._pending: torch.Tensor | None = None  # [m, n_layers·H] context features not yet in the cache
