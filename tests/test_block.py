@@ -303,3 +303,32 @@ def test_anchors_depend_on_seed_step_and_row_not_on_padding_or_batch():
     held = obj._anchors(_batch(short))[0]
     obj.begin_step(5)
     assert torch.equal(obj._anchors(_batch(short))[0], held)
+
+
+def test_init_from_fine_tunes_a_trained_draft_and_refuses_another_shape(tmp_path, tiny_target_dir, chat_file):
+    """head.init_from starts from a trained block draft's weights (e.g. to go on with more data), and a head setting
+    that disagrees with the checkpoint is refused naming the key, before any step."""
+    from draftheads.heads.checkpoint import read_head
+    from draftheads.train.block import build, main
+
+    kw = {"train.max_steps": 4, "optim.lr": 1e-2, "head.context_layers": "[1,2,3]", "head.block_size": 4,
+          "head.anchors": 8, "head.context": "kv"}
+    main(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "a", **kw)))
+    src = tmp_path / "a" / "final"
+    _, saved = read_head(src, "block")
+    fresh = build(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "f", **kw)))
+    tuned = build(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "b", **kw,
+                                                        **{"head.init_from": str(src)})))
+    got, new = tuned["objective"].draft.state_dict(), fresh["objective"].draft.state_dict()
+    moved = 0
+    for k, v in saved.items():
+        torch.testing.assert_close(got[k], v.to(got[k].dtype), rtol=0, atol=0)
+        moved += not torch.equal(new[k], got[k])
+    assert moved > 0  # four steps at lr 1e-2 moved the weights away from a fresh init: the test can tell them apart
+    summary = main(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "b", **kw,
+                                                         **{"head.init_from": str(src)})))
+    assert summary["steps"] == 4
+    assert json.loads((tmp_path / "b" / "final" / "config.json").read_text())["init_from"] == str(src)
+    with pytest.raises(ValueError, match=r"head\.block_size.*checkpoint has block_size=4|block_size=4.*head\.block_size"):
+        build(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "c",
+                                                    **{**kw, "head.block_size": 5}, **{"head.init_from": str(src)})))

@@ -21,8 +21,10 @@ Reads top to bottom: setup (devices, target, data, draft, features), loop (share
 
 from __future__ import annotations
 
+import json
 import logging
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from draftheads.data_prep.dataset import prepare_data, shifted_valid
 from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
-from draftheads.heads.block import BlockDraft, block_config_for
+from draftheads.heads.block import BlockConfig, BlockDraft, block_config_for
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import feature_source, heldout_evaluator
@@ -215,6 +217,24 @@ class BlockObjective(nn.Module):
         self.draft.load_state_dict(state)
 
 
+def draft_from(path: Path, target: FrozenTarget, h: DictConfig, want: BlockConfig
+               ) -> tuple[BlockDraft, dict[str, Any] | None]:
+    """``head.init_from``: a trained block draft to fine-tune (e.g. on more data). Its architecture is kept; the head
+    settings given must agree with it (null ones take the checkpoint's), so a run never trains something other than
+    what its config says."""
+    draft = BlockDraft.from_pretrained(path, target)
+    c = draft.config
+    for key in ("context", "num_layers", "block_size", "context_layers", "mask_token_id", "draft_vocab_size"):
+        if h.get(key) is not None and getattr(c, key) != getattr(want, key):
+            raise ValueError(f"head.init_from={path}: the checkpoint has {key}={getattr(c, key)!r} but head.{key} "
+                             f"asks for {getattr(want, key)!r}; set head.{key}={getattr(c, key)!r} (or null), or "
+                             f"start a fresh run without head.init_from")
+    if not c.draft_vocab_size:
+        return draft, None
+    saved = json.loads((Path(path) / "config.json").read_text()).get("draft_vocab") or {}
+    return draft, {**{k: v for k, v in saved.items() if k != "source"}, "source": f"init_from:{path}"}
+
+
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Everything main() needs, exposed so tests can stop and resume the Trainer."""
     acc = make_accelerator(cfg)
@@ -233,9 +253,13 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     head_cfg = block_config_for(target, layers, job.config_int(h, "num_layers", 2, 1, "head"),
                                 job.config_int(h, "block_size", 8, 2, "head"), str(h.get("context") or "prefix"),
                                 None if mask_id is None else int(mask_id), dv)
-    torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
-    draft = BlockDraft(head_cfg, target)
     vocab_info = None
+    if h.get("init_from"):  # a fine-tune: architecture and vocabulary come from the checkpoint (resume loads on top)
+        draft, vocab_info = draft_from(Path(h.init_from), target, h, head_cfg)
+        head_cfg, dv = draft.config, 0
+    else:
+        torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
+        draft = BlockDraft(head_cfg, target)
     if dv:  # counted on the training split (deterministic, so a resumed run counts the same vocabulary)
         vocab, vocab_info = counted_vocab(data, target.tokenizer, target.vocab_size, dv,
                                           h.get("draft_vocab_reference"))
@@ -254,7 +278,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         if vocab_info:
             log.info("draft vocabulary: %s", vocab_info)
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
-             "features": feats.source, **({"draft_vocab": vocab_info} if vocab_info else {})}
+             "features": feats.source, **({"draft_vocab": vocab_info} if vocab_info else {}),
+             **({"init_from": str(h.init_from)} if h.get("init_from") else {})}
     evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens),
                                  extra, HELDOUT_NAMES)
     trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
