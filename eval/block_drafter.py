@@ -33,9 +33,10 @@ import torch
 
 from draftheads.eval.draft_cache import DraftKVCache
 from draftheads.eval.generate import DraftTree
-from draftheads.eval.trees import StaticTree, ancestor_mask, chain, default_tree, static_tree
+from draftheads.eval.trees import StaticTree, ancestor_mask, chain
 from draftheads.eval.verify import apply_sampling
 from draftheads.heads.block import BlockDraft
+from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.target import FrozenTarget
 
 
@@ -173,21 +174,11 @@ def gumbel_topk(q: torch.Tensor, k: int, generator: torch.Generator | None) -> t
     return keys.topk(k, dim=-1).indices
 
 
-def block_tree(tree_cfg: Any, most: int) -> tuple[StaticTree, str]:
-    """The static tree over block positions: custom ``tree.paths``, else a generic tree of ``tree.size`` nodes."""
-    from draftheads.heads.job import config_int
-
-    if tree_cfg.get("paths"):
-        return static_tree(tree_cfg.get("paths")), "custom"
-    depth = min(most, config_int(tree_cfg, "max_depth", most, 1, "tree"))
-    return default_tree(depth, config_int(tree_cfg, "size", 64, 2, "tree")), "generic"
-
-
 def build_block_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
                         allow_target_mismatch: bool = False) -> tuple[BlockDrafter, dict[str, Any]]:
-    """A block draft from ``head``: ``tree.kind=chain`` (and ``auto`` without paths) drafts a chain of
-    ``tree.depth`` tokens (null: the whole block); ``static`` (and ``auto`` with paths, as tree=auto chooses) a
-    static tree over block positions."""
+    """A block draft from ``head``: ``tree.kind=chain`` drafts a chain of ``tree.depth`` tokens (null: the whole
+    block); ``static`` and ``auto`` a static tree over block positions: ``tree.paths``, else ``tree.size`` nodes
+    tuned to the per-rank accuracies the checkpoint recorded on held-out greedy paths (as Medusa's)."""
     kind = tree_cfg.get("kind") or "auto"
     if kind not in ("auto", "chain", "static"):
         raise ValueError(f"a block draft proposes a chain or a static tree over its positions; got tree.kind={kind!r} "
@@ -195,16 +186,16 @@ def build_block_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, d
     if not head:
         raise ValueError("drafter=block needs checkpoint=<head dir>")
     draft = BlockDraft.from_pretrained(head, target, allow_target_mismatch).to(target.device)
+    from draftheads.eval.drafters import medusa_tree
     from draftheads.heads.job import config_int
 
     most = draft.config.block_size - 1
     desc: dict[str, Any] = {"drafter": "block", "head": head, "block_size": draft.config.block_size}
-    if kind == "static" or (kind == "auto" and tree_cfg.get("paths")):
-        tree, source = block_tree(tree_cfg, most)
-        drafter = BlockDrafter(draft, dtype=dtype, tree=tree)
-        desc["tree_source"] = source
-    else:
+    if kind == "chain":
         if tree_cfg.get("paths"):
             raise ValueError("tree.paths gives a static tree; with tree.kind=chain set tree.depth instead")
         drafter = BlockDrafter(draft, min(config_int(tree_cfg, "depth", most, 1, "tree"), most), dtype)
+    else:
+        tree, desc["tree_source"] = medusa_tree(tree_cfg, most, read_head_config(head).get("rank_accuracy"))
+        drafter = BlockDrafter(draft, dtype=dtype, tree=tree)
     return drafter, {**desc, "tree_size": drafter.tree.size, "tree_depth": drafter.k}

@@ -9,8 +9,6 @@ static trees over block positions (the chains among them) by measured acceptance
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from draftheads.eval.autotree_model import Candidate, chain_candidates, medusa_candidates
@@ -34,7 +32,7 @@ class BlockShape(StaticShape):
     def apply_size(self, tree: Cfg, base: Cfg, size: int) -> None:
         if _chain(tree):
             tree["depth"] = size - 1
-        else:  # a sized static tree (under kind=auto without paths the drafter would draft its default chain)
+        else:  # a sized static tree
             tree["kind"], tree["size"] = "static", size
 
     def probe(self, tree, base, num_heads, prior):
@@ -65,12 +63,8 @@ class BlockShape(StaticShape):
     def probe_desc(self, tree, base):
         return {"depth": tree["depth"]} if _chain(tree) else super().probe_desc(tree, base)
 
-    def head_stats(self, checkpoint: str | None, tree: Cfg, num_heads: int) -> tuple[int, Any]:
-        """(block positions a step can draft, None): the checkpoint's block size, less the root."""
-        if not checkpoint:
-            return num_heads, None
-        saved = json.loads((Path(checkpoint) / "config.json").read_text())
-        return int(saved["head_config"]["block_size"]) - 1, None
+    def positions(self, head_config: dict[str, Any]) -> int:
+        return int(head_config["block_size"]) - 1  # the root is not drafted
 
     def finish(self, tree, chosen):
         if not _chain(tree):

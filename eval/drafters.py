@@ -12,7 +12,7 @@ from draftheads.eval.draft_logits import ScreenedTopK, screening_available
 from draftheads.eval.generate import DraftTree, NoDrafter
 from draftheads.eval.trees import StaticTree, ancestor_mask, default_tree, generic_accuracies, static_tree
 from draftheads.heads import registry
-from draftheads.heads.checkpoint import read_head
+from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.medusa import MedusaHeads, medusa_config_for
 from draftheads.heads.target import FrozenTarget
 
@@ -73,8 +73,7 @@ class MedusaDrafter:
 
 
 def checkpoint_family(path: str | Path) -> str:
-    cfg, _ = read_head(path)
-    return cfg["family"]
+    return read_head_config(path)["family"]
 
 
 def build_drafter(kind: str, target: FrozenTarget, head: str | None, tree_cfg: Any, dtype: torch.dtype,
@@ -136,7 +135,7 @@ def build_medusa_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, 
         if not head:
             raise ValueError("drafter=medusa needs checkpoint=<head dir>")
         heads = MedusaHeads.from_pretrained(head, target, allow_target_mismatch).to(target.device)
-        stats = read_head(head)[0].get("rank_accuracy")
+        stats = read_head_config(head).get("rank_accuracy")
     else:
         heads = MedusaHeads(medusa_config_for(target, num_heads, 1, True), target.lm_head())
         stats = None
@@ -147,15 +146,18 @@ def build_medusa_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, 
 
 
 def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:
-    """Custom paths if given; else tuned to the checkpoint's measured accuracies; else a generic default."""
+    """A static tree over ``num_heads`` positions' ranked candidates (Medusa heads, block positions): custom
+    ``tree.paths`` if given; else ``tree.size`` nodes (null: 64) tuned to the checkpoint's measured per-rank
+    accuracies; else a generic default. ``tree_cfg``: a mapping or an OmegaConf node."""
     if tree_cfg.get("paths"):
-        return static_tree(tree_cfg.paths), "custom"
+        return static_tree(tree_cfg.get("paths")), "custom"
     from draftheads.heads.job import config_int  # null = every head; 0 is an error, not "every head"
 
     depth = min(num_heads, config_int(tree_cfg, "max_depth", num_heads, 1, "tree"))
+    size = config_int(tree_cfg, "size", 64, 2, "tree")
     if rank_accuracy is not None and tree_cfg.get("tuned", True):
         # A tiny generic prior breaks ties (and fills in ranks never hit on a small held-out set).
         prior = generic_accuracies(depth, len(rank_accuracy[0]))
         acc = [[a + 1e-4 * p for a, p in zip(row, prow)] for row, prow in zip(rank_accuracy[:depth], prior)]
-        return default_tree(depth, int(tree_cfg.size), acc), "tuned"
-    return default_tree(depth, int(tree_cfg.size)), "generic"
+        return default_tree(depth, size, acc), "tuned"
+    return default_tree(depth, size), "generic"

@@ -14,9 +14,7 @@ makes it a top-1 chain of ``tree.depth``), and ``ChainShape`` (a chain whose len
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,6 +24,7 @@ from draftheads.eval.autotree_model import (Candidate, chain_candidates, dynamic
                                             medusa_candidates)
 from draftheads.eval.calibration import _interp
 from draftheads.eval.trees import generic_accuracies, greedy_tree_order
+from draftheads.heads.checkpoint import read_head_config
 
 Cfg = dict[str, Any]
 PROBE = {"top_k": 10, "depth": 8, "nodes": 63, "size": 64}  # the wide trees a probe drafts
@@ -132,10 +131,15 @@ class StaticShape(Shape):
         return {"size": len(tree["paths"]) + 1}
 
     def head_stats(self, checkpoint, tree, num_heads):
+        """(positions a tree can reach, the per-rank accuracies the checkpoint recorded, unless tree.tuned=false)."""
         if not checkpoint:
             return num_heads, None
-        saved = json.loads((Path(checkpoint) / "config.json").read_text())
-        return int(saved["head_config"]["num_heads"]), saved.get("rank_accuracy") if tree.get("tuned", True) else None
+        saved = read_head_config(checkpoint)
+        return self.positions(saved["head_config"]), saved.get("rank_accuracy") if tree.get("tuned", True) else None
+
+    def positions(self, head_config: dict[str, Any]) -> int:
+        """Drafted positions of a checkpoint with this head config (Medusa: its heads)."""
+        return int(head_config["num_heads"])
 
     def finish(self, tree, chosen):
         tree["size"] = chosen["size"]

@@ -182,8 +182,9 @@ def save_head(path: str | os.PathLike, family: str, head_config: dict[str, Any],
     return Path(path)
 
 
-def read_head(path: str | os.PathLike, family: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Read (config, tensors) of a head checkpoint with clear errors for wrong or partial directories."""
+def read_head_config(path: str | os.PathLike, family: str | None = None) -> dict[str, Any]:
+    """The config.json of a head checkpoint (without loading its tensors), with clear errors for wrong or partial
+    directories: what evaluation reads to size trees and training to carry a head's bookkeeping on."""
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not path.is_dir():
@@ -200,6 +201,13 @@ def read_head(path: str | os.PathLike, family: str | None = None) -> tuple[dict[
                          f"exported serving-engine layouts cannot be loaded back for training")
     if family is not None and cfg.get("family") != family:
         raise ValueError(f"{path} holds a {cfg.get('family')!r} head, expected {family!r}")
+    return cfg
+
+
+def read_head(path: str | os.PathLike, family: str | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read (config, tensors) of a head checkpoint with clear errors for wrong or partial directories."""
+    cfg = read_head_config(path, family)
+    weights = Path(path) / "model.safetensors"
     try:
         tensors = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for truncated files

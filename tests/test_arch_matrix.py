@@ -38,7 +38,7 @@ from draftheads.scripts.arch_matrix_table import (ARCHS, CHECKS, FAMILIES, JSON_
 W = 16  # the sliding window of every architecture that has one (arch_config)
 V = 400  # conftest's tokenizer
 TREES = {"medusa": {"size": 12}, "eagle": {"top_k": 4, "depth": 4, "nodes": 12},
-         "eagle3": {"top_k": 4, "depth": 4, "nodes": 12}, "block": {"depth": 3}}
+         "eagle3": {"top_k": 4, "depth": 4, "nodes": 12}, "block": {"kind": "chain", "depth": 3}}
 TRAIN = {"medusa": {"head.num_heads": 3}, "eagle": {},
          "eagle3": {"head.aux_layers": "[1,2,3]", "head.draft_vocab_size": 100, "head.ttt_steps": 2},
          "block": {"head.context_layers": "[1,2,3]", "head.block_size": 4, "head.anchors": 8}}

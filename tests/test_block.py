@@ -157,13 +157,13 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, cha
            if "loss" in r}
     for s in range(9, 17):
         assert got[s] == pytest.approx(rows[s]["loss"], rel=1e-6, abs=1e-7), s
-    # eval's factory builds it from the checkpoint; tree.depth picks how much of the block is drafted
+    # eval's factory builds it from the checkpoint; with tree.kind=chain, tree.depth picks how much of the block
     tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32", "local_files_only": True})
-    drafter, desc = build_drafter("auto", tgt, str(tmp_path / "full" / "final"), OmegaConf.create({"depth": 2}),
-                                  tgt.dtype)
+    drafter, desc = build_drafter("auto", tgt, str(tmp_path / "full" / "final"),
+                                  OmegaConf.create({"kind": "chain", "depth": 2}), tgt.dtype)
     assert desc["drafter"] == "block" and desc["tree_depth"] == 2 and isinstance(drafter, BlockDrafter)
-    assert build_drafter("block", tgt, str(tmp_path / "full" / "final"), OmegaConf.create({"depth": 9}),
-                         tgt.dtype)[1]["tree_depth"] == 3  # clipped to the block
+    assert build_drafter("block", tgt, str(tmp_path / "full" / "final"),
+                         OmegaConf.create({"kind": "chain", "depth": 9}), tgt.dtype)[1]["tree_depth"] == 3  # clipped
     with pytest.raises(ValueError, match="proposes a chain"):
         build_drafter("block", tgt, str(tmp_path / "full" / "final"), OmegaConf.create({"kind": "dynamic"}), tgt.dtype)
 
@@ -253,7 +253,8 @@ def test_tree_lookup_branch_reaches_the_block_drafter(tmp_path):
 
     tgt = from_model(tiny_model("llama", vocab_size=64, seed=2))
     _draft(tgt, block=4, context="kv").save_pretrained(tmp_path / "h", tgt.identity)
-    d, desc = build_drafter("block", tgt, str(tmp_path / "h"), {"depth": 2, "lookup_branch": 5}, torch.float32)
+    d, desc = build_drafter("block", tgt, str(tmp_path / "h"), {"kind": "chain", "depth": 2, "lookup_branch": 5},
+                             torch.float32)
     assert isinstance(d, LookupBranch) and desc["lookup_branch"] == 5 and d.inner.k == 2
     assert not isinstance(build_drafter("block", tgt, str(tmp_path / "h"), {"depth": 2}, torch.float32)[0],
                           LookupBranch)
@@ -332,3 +333,45 @@ def test_init_from_fine_tunes_a_trained_draft_and_refuses_another_shape(tmp_path
     with pytest.raises(ValueError, match=r"head\.block_size.*checkpoint has block_size=4|block_size=4.*head\.block_size"):
         build(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "c",
                                                     **{**kw, "head.block_size": 5}, **{"head.init_from": str(src)})))
+
+
+def test_rank_accuracy_on_greedy_paths_is_recorded_for_the_tree(tmp_path, tiny_target_dir, chat_file):
+    """Held-out evaluation records, per block position, how often the target's greedy token is the draft's rank-r
+    candidate (eval tunes the block's tree from it, as Medusa's): counted over the greedy-path positions
+    ``acceptance_ranks`` scores, so rank 0 at position 1 is what the simulated chain accepts at depth 1."""
+    from accelerate import Accelerator
+
+    from draftheads.train import block as train_block
+    from draftheads.train.sim_tau import accepted_lengths
+
+    tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32", "local_files_only": True})
+    obj = BlockObjective(_draft(tgt, block=4, scale=3.0), tgt, anchors=4)
+    prompt = torch.randint(0, tgt.vocab_size, (3, 6), generator=torch.Generator().manual_seed(0))
+    rows = [tgt.model.generate(p[None], max_new_tokens=40, do_sample=False)[0] for p in prompt]  # greedy paths
+    heldout = [_batch(r[None]) for r in rows]
+    batch_fn = lambda rs: {k: torch.cat([r[k] for r in rs]) for k in rs[0]}  # noqa: E731
+    V = tgt.vocab_size  # top_k = V: every reference has a rank, so each position's rates sum to 1
+    acc_rows, n = train_block.greedy_rank_accuracy(obj, heldout, batch_fn, Accelerator(cpu=True), 3, top_k=V)
+    ranks = torch.cat([obj.acceptance_ranks(h, top_k=V)[0] for h in heldout])  # [n, 3]
+    assert n == ranks.shape[0] >= 3 * 30 and len(acc_rows) == 3 and all(len(r) == V for r in acc_rows)
+    for j in range(3):
+        assert sum(acc_rows[j]) == pytest.approx(1.0)
+        for r in range(V):
+            assert acc_rows[j][r] == pytest.approx(float((ranks[:, j] == r).double().mean()))
+    assert acc_rows[0][0] == pytest.approx(float((accepted_lengths(ranks) >= 1).double().mean()))
+    # wired into the run: the next checkpoint's config.json carries what the held-out evaluation recorded
+    kw = {"train.max_steps": 2, "head.context_layers": "[1,2,3]", "head.block_size": 4, "head.anchors": 4}
+    seen = []
+
+    def fake(obj_, heldout_, batch_fn_, acc_, n_rows):
+        seen.append(n_rows)
+        return [[0.5] + [0.0] * 9] * 3, 7
+    mp = pytest.MonkeyPatch()
+    mp.setattr(train_block, "greedy_rank_accuracy", fake)
+    try:
+        train_block.main(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "r", **kw,
+                                                               **{"train.sim_tau_examples": 5})))
+    finally:
+        mp.undo()
+    saved = json.loads((tmp_path / "r" / "final" / "config.json").read_text())
+    assert seen == [5] and saved["rank_accuracy"] == [[0.5] + [0.0] * 9] * 3 and saved["rank_accuracy_tokens"] == 7

@@ -124,8 +124,10 @@ def test_build_block_drafter_reads_kind_paths_and_size(tmp_path):
     tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
     _draft(tgt, block=4).save_pretrained(tmp_path / "h", tgt.identity)
     head = str(tmp_path / "h")
-    d, desc = build_block_drafter(tgt, head, {"kind": "auto", "depth": 6, "size": 64}, torch.float32)
-    assert desc["tree_size"] == 4 and d.tree.paths == ((0,), (0, 0), (0, 0, 0))  # default: the chain, clipped
+    d, desc = build_block_drafter(tgt, head, {"kind": "chain", "depth": 6, "size": 64}, torch.float32)
+    assert desc["tree_size"] == 4 and d.tree.paths == ((0,), (0, 0), (0, 0, 0))  # the chain, clipped to the block
+    d, desc = build_block_drafter(tgt, head, {"kind": "auto", "depth": 6, "size": 8}, torch.float32)
+    assert desc["tree_size"] == 8 and desc["tree_source"] == "generic"  # select=default: a static tree of tree.size
     d, desc = build_block_drafter(tgt, head, {"kind": "auto", "paths": TREE}, torch.float32)
     assert desc["tree_size"] == len(TREE) + 1 and desc["tree_source"] == "custom"
     d, desc = build_block_drafter(tgt, head, {"kind": "static", "size": 10}, torch.float32)
@@ -158,3 +160,20 @@ def test_acceptance_job_chooses_a_tree_over_block_positions(tiny_target_dir, cha
     assert res["drafter"]["tree_size"] == c["chosen"]["size"] == len(c["paths"]) + 1
     assert max(len(p) for p in c["paths"]) <= 4
     assert res["greedy_identical"]["identical"] == res["greedy_identical"]["turns"] == 3
+
+
+def test_recorded_rank_accuracies_tune_the_blocks_tree_and_the_autotree_prior(tmp_path):
+    """A checkpoint's per-position rank accuracies (training records them on held-out greedy paths) shape the
+    default tree, as Medusa's do: a position-1 rank that hits more gets its node first; tree.tuned=false ignores
+    them."""
+    tgt = from_model(tiny_model("llama", vocab_size=64, seed=3))
+    acc = [[0.1, 0.6, 0.05, 0.0], [0.5, 0.1, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0]]
+    _draft(tgt, block=4).save_pretrained(tmp_path / "h", tgt.identity, {"rank_accuracy": acc})
+    head = str(tmp_path / "h")
+    assert SHAPE.head_stats(head, {}, 9) == (3, acc)
+    assert SHAPE.head_stats(head, {"tuned": False}, 9) == (3, None)
+    d, desc = build_block_drafter(tgt, head, {"kind": "auto", "size": 4}, torch.float32)
+    # expected accepted tokens per node: [1] 0.6, [0] 0.1, [1, 0] 0.6 * 0.5 = 0.3: the best three nodes
+    assert desc["tree_source"] == "tuned" and set(d.tree.paths) == {(1,), (1, 0), (0,)}
+    d, desc = build_block_drafter(tgt, head, {"kind": "auto", "size": 4, "tuned": False}, torch.float32)
+    assert desc["tree_source"] == "generic" and set(d.tree.paths) != {(1,), (1, 0), (0,)}

@@ -40,7 +40,7 @@ FAMILIES = ("medusa", "eagle", "eagle3", "block", "block-dv", "block-tree")
 # (the block draft proposes a chain of two, each token sampled from its position's q; its tree two siblings at the
 # root, drawn from position 1's q without replacement, and a child under the first)
 TREES = {"medusa": {"size": 5, "max_depth": 2}, "eagle": {"top_k": 2, "depth": 2, "nodes": 4},
-         "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"depth": 2}, "block-dv": {"depth": 2},
+         "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"kind": "chain", "depth": 2}, "block-dv": {"kind": "chain", "depth": 2},
          "block-tree": {"kind": "static", "paths": [[0], [1], [0, 0]]}}
 ALPHA, TV_FACTOR = 1e-3, 3.0  # eval/exactness.py's defaults for "consistent with the target"
 SAMPLES_ITS_DRAFTS = ("block", "block-dv", "block-tree")  # drafters whose children are drawn from the q they report

@@ -34,7 +34,7 @@ W = 8  # sliding window
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 FAMILIES = ("medusa", "eagle", "eagle3", "block")
 TREES = {"medusa": {"size": 12, "max_depth": 3}, "eagle": {"top_k": 3, "depth": 4, "nodes": 10},
-         "eagle3": {"top_k": 3, "depth": 4, "nodes": 10}, "block": {"depth": 5}}
+         "eagle3": {"top_k": 3, "depth": 4, "nodes": 10}, "block": {"kind": "chain", "depth": 5}}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -230,7 +230,7 @@ V = 4  # the joint of the first k tokens has V**k cells
 SAMPLING = {"temperature": 0.9, "top_p": 1.0, "top_k": 2}
 ALPHA, TV_FACTOR = 1e-3, 3.0  # eval/exactness.py's defaults for "consistent with the target"
 SMALL_TREES = {"medusa": {"size": 5, "max_depth": 2}, "eagle": {"top_k": 2, "depth": 2, "nodes": 4},
-               "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"depth": 2}}
+               "eagle3": {"top_k": 2, "depth": 2, "nodes": 4}, "block": {"kind": "chain", "depth": 2}}
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,14 @@ from draftheads.data_prep.dataset import prepare_data, shifted_valid
 from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
+from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.block import BlockConfig, BlockDraft, block_config_for
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import feature_source, heldout_evaluator
 from draftheads.train.losses import chunked_sum, chunked_topk, linear_cross_entropy
-from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, make_accelerator, reference_ranks,
-                                   resolve_out_dir, save_run_config, write_summary)
+from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, lockstep_batches, make_accelerator,
+                                   reference_ranks, resolve_out_dir, save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 HELDOUT_NAMES = {"ce": "heldout_ce", "top1/j1": "heldout_top1"}
@@ -217,6 +218,29 @@ class BlockObjective(nn.Module):
         self.draft.load_state_dict(state)
 
 
+@torch.no_grad()
+def greedy_rank_accuracy(objective: BlockObjective, heldout: Any, batch_fn: Any, acc: Any, n_rows: int,
+                         top_k: int = 10) -> tuple[list[list[float]], int]:
+    """[D][top_k]: per block position, the share of held-out greedy-path positions whose next token is the draft's
+    rank-r candidate there (``acceptance_ranks``), over the first ``n_rows`` held-out rows, summed over processes.
+    Recorded in the checkpoint as ``rank_accuracy``, it tunes the block's static tree as Medusa's held-out hits
+    tune Medusa's (eval/drafters.py:medusa_tree); measured on the greedy path, the positions decoding drafts at."""
+    hits = torch.zeros(objective.n - 1, top_k + 1, dtype=torch.float64)
+    was = objective.training
+    objective.train(False)
+    with acc.autocast():
+        for idx, counted in lockstep_batches(n_rows, 4, acc):
+            b = {k: v.to(acc.device) for k, v in batch_fn([heldout[i] for i in idx]).items()}
+            ranks, _ = objective.acceptance_ranks(b, top_k)  # [n, D], top_k where the reference is no candidate
+            if counted:
+                hits += nn.functional.one_hot(ranks.cpu(), top_k + 1).sum(0).double()
+    objective.train(was)
+    if acc.num_processes > 1:
+        hits = acc.reduce(hits.to(acc.device), "sum").cpu()
+    n = int(hits[0].sum())
+    return (hits[:, :top_k] / max(n, 1)).tolist(), n
+
+
 def draft_from(path: Path, target: FrozenTarget, h: DictConfig, want: BlockConfig
                ) -> tuple[BlockDraft, dict[str, Any] | None]:
     """``head.init_from``: a trained block draft to fine-tune (e.g. on more data). Its architecture is kept; the head
@@ -231,7 +255,7 @@ def draft_from(path: Path, target: FrozenTarget, h: DictConfig, want: BlockConfi
                              f"start a fresh run without head.init_from")
     if not c.draft_vocab_size:
         return draft, None
-    saved = json.loads((Path(path) / "config.json").read_text()).get("draft_vocab") or {}
+    saved = read_head_config(path).get("draft_vocab") or {}
     return draft, {**{k: v for k, v in saved.items() if k != "source"}, "source": f"init_from:{path}"}
 
 
@@ -280,8 +304,20 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
              "features": feats.source, **({"draft_vocab": vocab_info} if vocab_info else {}),
              **({"init_from": str(h.init_from)} if h.get("init_from") else {})}
-    evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens),
-                                 extra, HELDOUT_NAMES)
+    heldout_stats = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc,
+                                      int(cfg.train.eval_tokens), extra, HELDOUT_NAMES)
+    n_rank_rows = min(len(data.heldout), int(cfg.train.get("sim_tau_examples", 0) or 0))
+
+    def evaluate(step: int) -> dict[str, Any]:
+        """Held-out CE/top-1, and the per-position rank hit rates the next checkpoint records for eval's tree."""
+        out = heldout_stats(step)
+        if n_rank_rows:
+            rank_acc, n = greedy_rank_accuracy(objective, data.heldout, feats.heldout_collate, acc, n_rank_rows)
+            if n:
+                extra["rank_accuracy"] = [[round(a, 5) for a in row] for row in rank_acc]
+                extra["rank_accuracy_tokens"] = n
+        return out
+
     trainer = Trainer(cfg, acc, objective, feats.train, feats.collate, out_dir, extra, evaluate=evaluate,
                       heldout=data.heldout, heldout_collate=feats.heldout_collate,
                       tau_eval=build_tau_evaluator(cfg, target, data))

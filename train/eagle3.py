@@ -42,6 +42,7 @@ from draftheads.data_prep.dataset import prepare_data, shifted_valid
 from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
+from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
@@ -205,7 +206,7 @@ def _saved_vocab_stats(path: Path) -> dict[str, Any]:
     """The coverage numbers a checkpoint recorded when its vocabulary was counted, carried into the next one
     (so a resumed or fine-tuned run still says how well its vocabulary covers the data it was counted on).
     Called after the checkpoint has loaded, so its config.json exists and parses."""
-    saved = json.loads((Path(path) / "config.json").read_text()).get("draft_vocab") or {}
+    saved = read_head_config(path).get("draft_vocab") or {}
     return {k: v for k, v in saved.items() if k != "source"}
 
 
