@@ -330,6 +330,18 @@ def test_init_from_fine_tunes_a_trained_draft_and_refuses_another_shape(tmp_path
                                                          **{"head.init_from": str(src)})))
     assert summary["steps"] == 4
     assert json.loads((tmp_path / "b" / "final" / "config.json").read_text())["init_from"] == str(src)
+    # a whole-vocabulary draft narrowed to its own vocabulary: every trained weight kept, and on the DV ids counted
+    # from the training split its logits are the whole-vocabulary draft's (the output rows are the target's)
+    narrow = build(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "n", **kw,
+                                                         **{"head.init_from": str(src), "head.draft_vocab_size": 40})))
+    d = narrow["objective"].draft
+    assert d.out_vocab == 40 and d.target_ids().unique().numel() == 40
+    st = d.state_dict()
+    for k, v in saved.items():
+        torch.testing.assert_close(st[k], v.to(st[k].dtype), rtol=0, atol=0)
+    h = torch.randn(5, d.config.hidden_size)
+    full = tuned["objective"].draft
+    torch.testing.assert_close(d.logits(h), full.logits(h)[:, d.target_ids()])
     with pytest.raises(ValueError, match=r"head\.block_size.*checkpoint has block_size=4|block_size=4.*head\.block_size"):
         build(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "c",
                                                     **{**kw, "head.block_size": 5}, **{"head.init_from": str(src)})))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import zlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -245,18 +246,27 @@ def draft_from(path: Path, target: FrozenTarget, h: DictConfig, want: BlockConfi
                ) -> tuple[BlockDraft, dict[str, Any] | None]:
     """``head.init_from``: a trained block draft to fine-tune (e.g. on more data). Its architecture is kept; the head
     settings given must agree with it (null ones take the checkpoint's), so a run never trains something other than
-    what its config says."""
-    draft = BlockDraft.from_pretrained(path, target)
-    c = draft.config
+    what its config says. One change is allowed: a whole-vocabulary draft given ``head.draft_vocab_size`` keeps every
+    trained weight (its output rows are the target's frozen lm_head either way) and gets a draft vocabulary counted on
+    the training split, as a fresh run would (returned info None: the caller counts it)."""
+    src = BlockDraft.from_pretrained(path, target)
+    c = src.config
+    narrow = not c.draft_vocab_size and bool(want.draft_vocab_size)
     for key in ("context", "num_layers", "block_size", "context_layers", "mask_token_id", "draft_vocab_size"):
-        if h.get(key) is not None and getattr(c, key) != getattr(want, key):
+        if h.get(key) is not None and getattr(c, key) != getattr(want, key) and not (narrow and
+                                                                                  key == "draft_vocab_size"):
             raise ValueError(f"head.init_from={path}: the checkpoint has {key}={getattr(c, key)!r} but head.{key} "
                              f"asks for {getattr(want, key)!r}; set head.{key}={getattr(c, key)!r} (or null), or "
                              f"start a fresh run without head.init_from")
-    if not c.draft_vocab_size:
+    if narrow:
+        draft = BlockDraft(replace(c, draft_vocab_size=want.draft_vocab_size), target)
+        missing, unexpected = draft.load_state_dict(src.state_dict(), strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight", "d2t", "t2d"}, (missing, unexpected)
         return draft, None
+    if not c.draft_vocab_size:
+        return src, None
     saved = read_head_config(path).get("draft_vocab") or {}
-    return draft, {**{k: v for k, v in saved.items() if k != "source"}, "source": f"init_from:{path}"}
+    return src, {**{k: v for k, v in saved.items() if k != "source"}, "source": f"init_from:{path}"}
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
@@ -280,7 +290,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     vocab_info = None
     if h.get("init_from"):  # a fine-tune: architecture and vocabulary come from the checkpoint (resume loads on top)
         draft, vocab_info = draft_from(Path(h.init_from), target, h, head_cfg)
-        head_cfg, dv = draft.config, 0
+        head_cfg = draft.config
+        dv = head_cfg.draft_vocab_size if vocab_info is None else 0  # 0: kept from the checkpoint, or none
     else:
         torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
         draft = BlockDraft(head_cfg, target)
