@@ -21,7 +21,6 @@ Reads top to bottom: setup (devices, target, data, draft, features), loop (share
 
 from __future__ import annotations
 
-import json
 import logging
 import zlib
 from dataclasses import replace
@@ -36,8 +35,8 @@ from draftheads.data_prep.dataset import prepare_data, shifted_valid
 from draftheads.data_prep.draft_vocab import counted_vocab
 from draftheads.data_prep.features import batch_hidden
 from draftheads.heads import job
-from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.block import BlockConfig, BlockDraft, block_config_for
+from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import feature_source, heldout_evaluator
