@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from draftheads.eval.draft_cache import DraftKVCache
+from draftheads.eval.drafters import ranked_static_tree
 from draftheads.eval.generate import DraftTree
 from draftheads.eval.trees import StaticTree, ancestor_mask, chain
 from draftheads.eval.verify import apply_sampling
@@ -186,7 +187,6 @@ def build_block_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, d
     if not head:
         raise ValueError("drafter=block needs checkpoint=<head dir>")
     draft = BlockDraft.from_pretrained(head, target, allow_target_mismatch).to(target.device)
-    from draftheads.eval.drafters import medusa_tree
     from draftheads.heads.job import config_int
 
     most = draft.config.block_size - 1
@@ -196,6 +196,6 @@ def build_block_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, d
             raise ValueError("tree.paths gives a static tree; with tree.kind=chain set tree.depth instead")
         drafter = BlockDrafter(draft, min(config_int(tree_cfg, "depth", most, 1, "tree"), most), dtype)
     else:
-        tree, desc["tree_source"] = medusa_tree(tree_cfg, most, read_head_config(head).get("rank_accuracy"))
+        tree, desc["tree_source"] = ranked_static_tree(tree_cfg, most, read_head_config(head).get("rank_accuracy"))
         drafter = BlockDrafter(draft, dtype=dtype, tree=tree)
     return drafter, {**desc, "tree_size": drafter.tree.size, "tree_depth": drafter.k}

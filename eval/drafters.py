@@ -139,16 +139,16 @@ def build_medusa_drafter(target: FrozenTarget, head: str | None, tree_cfg: Any, 
     else:
         heads = MedusaHeads(medusa_config_for(target, num_heads, 1, True), target.lm_head())
         stats = None
-    tree, source = medusa_tree(tree_cfg, heads.config.num_heads, stats)
+    tree, source = ranked_static_tree(tree_cfg, heads.config.num_heads, stats)
     return MedusaDrafter(heads, tree, dtype), {
         "drafter": "medusa-init" if untrained else "medusa", "head": head, "tree_size": tree.size,
         "tree_depth": tree.max_depth, "tree_source": source}
 
 
-def medusa_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:
-    """A static tree over ``num_heads`` positions' ranked candidates (Medusa heads, block positions): custom
-    ``tree.paths`` if given; else ``tree.size`` nodes (null: 64) tuned to the checkpoint's measured per-rank
-    accuracies; else a generic default. ``tree_cfg``: a mapping or an OmegaConf node."""
+def ranked_static_tree(tree_cfg: Any, num_heads: int, rank_accuracy: Any) -> tuple[StaticTree, str]:
+    """A static tree over ``num_heads`` positions that each offer ranked candidates (Medusa's heads, a block draft's
+    positions): custom ``tree.paths`` if given; else ``tree.size`` nodes (null: 64) tuned to the checkpoint's
+    measured per-rank accuracies; else a generic default. ``tree_cfg``: a mapping or an OmegaConf node."""
     if tree_cfg.get("paths"):
         return static_tree(tree_cfg.get("paths")), "custom"
     from draftheads.heads.job import config_int  # null = every head; 0 is an error, not "every head"

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from draftheads.eval.eagle3_drafter import Eagle3Drafter  # noqa: E402
 from draftheads.eval.eagle_drafter import EagleDrafter, EagleTreeConfig  # noqa: E402
-from draftheads.eval.drafters import MedusaDrafter, medusa_tree  # noqa: E402
+from draftheads.eval.drafters import MedusaDrafter, ranked_static_tree  # noqa: E402
 from draftheads.eval.generate import NoDrafter, generate  # noqa: E402
 from draftheads.heads.checkpoint import atomic_write_text  # noqa: E402
 from draftheads.heads.eagle import EagleDraft, eagle_config_for  # noqa: E402
@@ -91,7 +91,7 @@ def make_drafter(c: dict[str, Any], target: FrozenTarget, dtype: torch.dtype, ck
             heads = MedusaHeads(medusa_config_for(target, 4, 1, fam == "medusa-shared"), target.lm_head())
             for b in heads.blocks.parameters():  # identity init is all zeros; random blocks cost the same
                 b.data.normal_(0, 0.02)
-        tree, _ = medusa_tree(OmegaConf.create({"size": c["size"]}), heads.config.num_heads, None)
+        tree, _ = ranked_static_tree(OmegaConf.create({"size": c["size"]}), heads.config.num_heads, None)
         return MedusaDrafter(heads.to(dev), tree, dtype, **kw)
     tc = EagleTreeConfig(kind=c["kind"], top_k=c.get("top_k", 10), depth=c.get("depth", 6), nodes=c["size"] - 1)
     if fam == "eagle":

@@ -207,7 +207,7 @@ def test_cuda_without_cuda_is_an_error(monkeypatch):
 def test_zero_tree_sizes_are_errors_not_defaults():
     from omegaconf import OmegaConf
 
-    from draftheads.eval.drafters import medusa_tree
+    from draftheads.eval.drafters import ranked_static_tree
     from draftheads.eval.eagle_drafter import EagleTreeConfig
 
     for key in ("nodes", "depth", "top_k"):
@@ -215,8 +215,8 @@ def test_zero_tree_sizes_are_errors_not_defaults():
             EagleTreeConfig.from_any({"kind": "dynamic", key: 0})
     assert EagleTreeConfig.from_any({"kind": "dynamic", "nodes": None}).nodes == 60
     with pytest.raises(ValueError, match="tree.max_depth must be >= 1, got 0"):
-        medusa_tree(OmegaConf.create({"max_depth": 0, "size": 8}), 3, None)
-    assert medusa_tree(OmegaConf.create({"max_depth": None, "size": 8}), 3, None)[0].max_depth == 3
+        ranked_static_tree(OmegaConf.create({"max_depth": 0, "size": 8}), 3, None)
+    assert ranked_static_tree(OmegaConf.create({"max_depth": None, "size": 8}), 3, None)[0].max_depth == 3
 
 
 def test_zero_questions_and_tokens_are_errors(tmp_path):

@@ -224,7 +224,7 @@ def greedy_rank_accuracy(objective: BlockObjective, heldout: Any, batch_fn: Any,
     """[D][top_k]: per block position, the share of held-out greedy-path positions whose next token is the draft's
     rank-r candidate there (``acceptance_ranks``), over the first ``n_rows`` held-out rows, summed over processes.
     Recorded in the checkpoint as ``rank_accuracy``, it tunes the block's static tree as Medusa's held-out hits
-    tune Medusa's (eval/drafters.py:medusa_tree); measured on the greedy path, the positions decoding drafts at."""
+    tune Medusa's (eval/drafters.py:ranked_static_tree); measured on the greedy path, the positions decoding drafts at."""
     hits = torch.zeros(objective.n - 1, top_k + 1, dtype=torch.float64)
     was = objective.training
     objective.train(False)
