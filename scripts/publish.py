@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from draftheads.heads.checkpoint import atomic_dir, read_head, save_safetensors  # noqa: E402
 from draftheads.heads.target import EMBEDDED_TARGETS  # noqa: E402
+from draftheads.heads.target_source import TARGET_TERMS  # noqa: E402
 from draftheads.scripts.tau_table import file_sha256, read_json, tau_rows  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ def hub_id_of(target: dict[str, Any]) -> str | None:
     if HUB_ID.match(name) and not Path(name).exists():
         return name
     return None
+
+
+def license_of(license_id: str, target: dict[str, Any]) -> tuple[str, str | None]:
+    """The card's license and notice: ``auto`` takes the embedded target's terms (a draft trained on a target's
+    states inherits them: Gemma's for gemma3-270m), and ``other`` for a target whose terms we cannot know."""
+    if license_id != "auto":
+        return license_id, TARGET_TERMS.get(str(target.get("name") or ""), (None, None))[1]
+    return TARGET_TERMS.get(str(target.get("name") or ""), ("other", None))
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -96,6 +105,7 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
     family = head_cfg.get("family", "?")
     tgt = head_cfg.get("target", {})
     base = hub_id_of(tgt)
+    license_id, notice = license_of(license_id, tgt)
     meta: dict[str, Any] = {"library_name": "draftheads", "license": license_id,
                             "tags": ["speculative-decoding", "draft-model", family, "draftheads"]}
     if base:
@@ -111,7 +121,14 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
     if base:
         L.append(f"| hub id | `{base}` |")
     L += ["", "Loading this head for another target (different vocabulary, hidden size or weights "
-          "fingerprint) is refused by the loaders.", "", "## Draft", "",
+          "fingerprint) is refused by the loaders."]
+    if notice:
+        L += ["", f"This draft was trained on the target's hidden states and outputs, so the target's terms apply to "
+              f"it: {notice}."]
+    elif license_id == "other":
+        L += ["", "The license is `other`: a draft trained on a target's states falls under that target's terms; "
+              "publish again with `license=<id>` once you know them."]
+    L += ["", "## Draft", "",
           f"- family: `{family}`, trainable parameters: {n_params:,}"
           + (f", weights stored in {weights_dtype} (trained in fp32; cast for publishing)" if weights_dtype else ""),
           f"- head config: `{json.dumps(head_cfg.get('head_config', {}), sort_keys=True)}`",
@@ -167,7 +184,9 @@ def model_card(head_cfg: dict[str, Any], run_cfg: dict[str, Any] | None, summary
             L += ["```bash", made_by.strip(), "```"]
     L += ["", "## Use", "", "```bash", "git clone <draftheads> && cd draftheads && pip install -e .",
           "huggingface-cli download <this repo> --local-dir heads/",
-          "python eval/acceptance.py checkpoint=heads/ " + (f"target=hf target.name={base}" if base else ""),
+          "python eval/acceptance.py checkpoint=heads/ "
+          + (f"target={tgt['name']}" if tgt.get("name") in EMBEDDED_TARGETS
+             else f"target=hf target.name={base}" if base else ""),
           "```", "", "In Python: `" + registry.get(family).head.replace(":", ".")
           + ".from_pretrained(folder, target)` with the target from `draftheads.heads.target.load_target`.", ""]
     return "\n".join(L)

@@ -600,6 +600,30 @@ def test_publish_tau_table_reads_a_measure_run(tmp_path):
         tau_rows([tmp_path / "bad.json"])
 
 
+def test_publish_card_license_follows_the_target():
+    """A draft trained on a target's states inherits the target's terms: license=auto writes Gemma's license and its
+    notice for gemma3-270m, SmolLM2's apache-2.0, ``other`` (with a way out) for a target we cannot know; an explicit
+    id wins but keeps the target's notice. The use line names an embedded target as the offline config it is."""
+    import yaml as _yaml
+
+    from draftheads.scripts.publish import model_card
+
+    def card(name: str, lic: str = "auto") -> tuple[dict, str]:
+        text = model_card({"family": "eagle3", "target": {"name": name}}, None, None, [], lic, 10)
+        return _yaml.safe_load(text.split("---\n")[1]), text
+
+    meta, text = card("gemma3-270m")
+    assert meta["license"] == "gemma" and meta["base_model"] == "google/gemma-3-270m"
+    assert "Gemma Terms of Use found at ai.google.dev/gemma/terms" in text
+    assert "checkpoint=heads/ target=gemma3-270m" in text
+    meta, text = card("smollm2-135m")
+    assert meta["license"] == "apache-2.0" and "Terms of Use" not in text and "license=<id>" not in text
+    meta, text = card("/data/my-model.gguf")
+    assert meta["license"] == "other" and "license=<id>" in text and "base_model" not in meta
+    meta, text = card("gemma3-270m", "apache-2.0")
+    assert meta["license"] == "apache-2.0" and "Gemma Terms of Use" in text
+
+
 def test_publish_keeps_only_the_published_heads_figures(tmp_path):
     """A measure run over several heads, or a result on the run's final/ when best/ is published, must not lend the
     card another head's τ: rows are kept by the weights they measured (same folder or the same bytes)."""
