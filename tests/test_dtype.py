@@ -88,3 +88,30 @@ def test_bench_dtype_derives_its_verdict_from_the_timings(tmp_path, monkeypatch,
     assert res["matmul_gflops"] == {"fp32": 40.0, "bf16": 10.0} and res["bf16_speedup"] == 0.25
     assert res["auto_picks"] == ("bf16" if fast_bf16 else "fp32")
     assert res["auto_is_faster_choice"] is (not fast_bf16)
+
+
+def test_target_lm_head_gets_packed_rows_when_transformers_slices_the_last_position():
+    """transformers' ``logits_to_keep`` hands the lm_head the last position sliced off [B, S, H]; torch multiplies
+    such an input by an expanded weight (on CPU in bf16: a copy of the lm_head per call, and at a batched prefill a
+    failed allocation that turns oneDNN off process-wide). The target's pre-hook packs it: the layer sees packed
+    strides, and the logits equal those of the packed rows bit for bit."""
+    from conftest import tiny_model
+
+    from draftheads.heads.target import from_model
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    from_model(model)
+    head = model.get_output_embeddings()
+    H = model.config.hidden_size
+    seen: list[tuple[int, ...]] = []
+    head.register_forward_pre_hook(lambda m, a: seen.append(a[0].stride()))  # runs after the target's hook
+    h = torch.randn(3, 7, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = head(h[:, -1:, :])  # [3, 1, V]
+        ref = head(torch.stack([h[i, -1:] for i in range(3)]))  # packed rows
+        assert seen == [(H, H, 1), (H, H, 1)] and torch.equal(out, ref)
+        seen.clear()
+        model.generate(torch.randint(1, 50, (2, 6)), attention_mask=torch.ones(2, 6, dtype=torch.long),
+                       max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert seen and all(s == (H, H, 1) for s in seen), seen  # the prefill's sliced position arrived packed
+    assert torch.backends.mkldnn.enabled

@@ -242,12 +242,13 @@ def greedy_rank_accuracy(objective: BlockObjective, heldout: Any, batch_fn: Any,
 
 
 def draft_from(path: Path, target: FrozenTarget, h: DictConfig, want: BlockConfig
-               ) -> tuple[BlockDraft, dict[str, Any] | None]:
+               ) -> tuple[BlockDraft, dict[str, Any] | None, bool]:
     """``head.init_from``: a trained block draft to fine-tune (e.g. on more data). Its architecture is kept; the head
     settings given must agree with it (null ones take the checkpoint's), so a run never trains something other than
     what its config says. One change is allowed: a whole-vocabulary draft given ``head.draft_vocab_size`` keeps every
     trained weight (its output rows are the target's frozen lm_head either way) and gets a draft vocabulary counted on
-    the training split, as a fresh run would (returned info None: the caller counts it)."""
+    the training split, as a fresh run would. Returns (draft, its vocabulary info, whether the caller must count the
+    draft vocabulary)."""
     src = BlockDraft.from_pretrained(path, target)
     c = src.config
     narrow = not c.draft_vocab_size and bool(want.draft_vocab_size)
@@ -261,11 +262,11 @@ def draft_from(path: Path, target: FrozenTarget, h: DictConfig, want: BlockConfi
         draft = BlockDraft(replace(c, draft_vocab_size=want.draft_vocab_size), target)
         missing, unexpected = draft.load_state_dict(src.state_dict(), strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight", "d2t", "t2d"}, (missing, unexpected)
-        return draft, None
+        return draft, None, True
     if not c.draft_vocab_size:
-        return src, None
+        return src, None, False
     saved = read_head_config(path).get("draft_vocab") or {}
-    return src, {**{k: v for k, v in saved.items() if k != "source"}, "source": f"init_from:{path}"}
+    return src, {**{k: v for k, v in saved.items() if k != "source"}, "source": f"init_from:{path}"}, False
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
@@ -288,9 +289,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
                                 None if mask_id is None else int(mask_id), dv)
     vocab_info = None
     if h.get("init_from"):  # a fine-tune: architecture and vocabulary come from the checkpoint (resume loads on top)
-        draft, vocab_info = draft_from(Path(h.init_from), target, h, head_cfg)
+        draft, vocab_info, recount = draft_from(Path(h.init_from), target, h, head_cfg)
         head_cfg = draft.config
-        dv = head_cfg.draft_vocab_size if vocab_info is None else 0  # 0: kept from the checkpoint, or none
+        dv = head_cfg.draft_vocab_size if recount else 0  # 0: kept from the checkpoint, or none
     else:
         torch.manual_seed(int(cfg.train.seed))  # the draft's init depends on the seed only
         draft = BlockDraft(head_cfg, target)
