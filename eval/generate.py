@@ -206,43 +206,54 @@ class LazyLogitRows(_RowsOnDemand):
     Verification reads the root's row and the rows of accepted nodes only (every rule walks down one
     path), yet the lm_head over all N nodes is the costliest single product of a wide tree forward on
     a CPU: [64, H] x [H, 49k] took ~3x a one-row pass here. ``prefetch`` rows (the drafter's
-    first-choice chain, the likeliest accepted path) go through in one product; any other row read is
-    computed alone. A row is the same product as in the full pass, so greedy results are unchanged.
+    first-choice chain, the likeliest accepted path) go through in one product. A row read outside it
+    brings its own first-choice chain below it (``parents``) in one more product: the walk goes on down
+    that chain when it goes on at all, and for a large vocabulary a pass over a few rows costs about
+    what one row does, since each pass reads the whole weight (Gemma 3's 262k x 640 lm_head in fp32,
+    2 cores: 57 ms for one row, ~70 ms for eight). A row is the same product as in the full pass, so
+    greedy results are unchanged.
     """
 
     def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, prefetch: Sequence[int] = (),
-                 cap: float | None = None):
-        """``cap``: the target's final logit softcap (FrozenTarget.logit_softcap), applied to every row."""
+                 cap: float | None = None, parents: torch.Tensor | None = None):
+        """``cap``: the target's final logit softcap (FrozenTarget.logit_softcap), applied to every row.
+        ``parents`` [N]: the tree, so that a row read outside ``prefetch`` brings its first-choice chain."""
         self.hidden = hidden  # [N, H] final-normed last hidden states
         self.lm_head = lambda h: softcap(lm_head(h), cap)
         self.shape = torch.Size((hidden.shape[0], lm_head.weight.shape[0]))
         self.dtype = lm_head.weight.dtype
         self.computed = 0  # rows that went through the lm_head (tests, benchmarks)
+        self.passes = 0  # lm_head products (each reads the whole weight)
         self.seconds = 0.0  # time spent on rows computed after construction (the loop counts it as target time)
+        self._parents = parents
         self._rows: dict[int, torch.Tensor] = {}
         if prefetch:
-            idx = list(prefetch)
-            out = lm_head(hidden[torch.tensor(idx, device=hidden.device)])  # [P, V]
-            self._rows.update((i, out[j]) for j, i in enumerate(idx))
-            self.computed += len(idx)
+            self._compute(list(prefetch))
+
+    def _compute(self, idx: list[int]) -> None:
+        out = self.lm_head(self.hidden[torch.tensor(idx, device=self.hidden.device)])  # [P, V]
+        self._rows.update((i, out[j]) for j, i in enumerate(idx))
+        self.computed += len(idx)
+        self.passes += 1
 
     def __getitem__(self, i: int) -> torch.Tensor:
         i = int(i)
         if i not in self._rows:
             t0 = _clock(self.hidden.device)
-            self._rows[i] = self.lm_head(self.hidden[i: i + 1])[0]  # [V]
-            self.computed += 1
+            chain = [i] if self._parents is None else first_choice_chain(self._parents, start=i)
+            self._compute([j for j in chain if j not in self._rows])
             self.seconds += _clock(self.hidden.device) - t0
         return self._rows[i]
 
 
-def first_choice_chain(parents: torch.Tensor) -> list[int]:
-    """Root, its first child, that child's first child, ...: the path a drafter ranks best (siblings best first)."""
+def first_choice_chain(parents: torch.Tensor, start: int = 0) -> list[int]:
+    """``start`` (the root by default), its first child, that child's first child, ...: the path a drafter ranks
+    best below ``start`` (siblings best first)."""
     first: dict[int, int] = {}
     for j, p in enumerate(parents.tolist()):
         if p >= 0 and p not in first:
             first[p] = j
-    chain = [0]
+    chain = [int(start)]
     while chain[-1] in first:
         chain.append(first[chain[-1]])
     return chain
@@ -333,7 +344,7 @@ def generate(target: FrozenTarget, drafter: Any, prompt_ids: Sequence[int] | tor
         logits = out["logits"][0] if n == 1 else LazyLogitRows(
             out["last_hidden"][0], target.lm_head(),
             tree.prefetch if tree.prefetch is not None else first_choice_chain(tree.parents),
-            target.logit_softcap)  # [N, V], rows on demand
+            target.logit_softcap, tree.parents)  # [N, V], rows on demand
         res.target_seconds += _clock(dev) - t1
         dist = _target_dist(logits, mode, sampling)  # [N, V] (rows computed on demand)
         accepted, nxt = verify_tree(tree.tokens, tree.parents, dist, tree.draft_probs, mode=mode, generator=generator)

@@ -166,6 +166,7 @@ def test_screened_medusa_drafts_the_exact_candidates():
 
 def test_verification_reads_lm_head_rows_lazily_and_they_equal_the_full_pass():
     from draftheads.eval.generate import LazyLogitRows, first_choice_chain, tree_forward
+    from draftheads.heads.target import softcap
     from draftheads.eval.trees import ancestor_mask, depths_of
 
     tgt = from_model(tiny_model("llama", vocab_size=128, seed=3))
@@ -186,4 +187,17 @@ def test_verification_reads_lm_head_rows_lazily_and_they_equal_the_full_pass():
         torch.testing.assert_close(lazy[i], full["logits"][0, i], rtol=1e-5, atol=1e-5)
     assert lazy.computed == 4  # prefetched
     torch.testing.assert_close(lazy[5], full["logits"][0, 5], rtol=1e-5, atol=1e-5)
-    assert lazy.computed == 5 and lazy.seconds > 0
+    assert lazy.computed == 5 and lazy.passes == 2 and lazy.seconds > 0
+
+    # Given the tree, a row read off the prefetched chain brings its own first-choice chain in one pass; a
+    # softcap (Gemma 2's final_logit_softcapping) applies to prefetched and fetched rows alike.
+    assert first_choice_chain(parents, start=2) == [2, 5]
+    capped = LazyLogitRows(lazy_out["last_hidden"][0], tgt.lm_head(), first_choice_chain(parents), cap=0.2,
+                           parents=parents)
+    want = softcap(full["logits"][0], 0.2)  # [N, V]
+    assert want.abs().max() < 0.2 < full["logits"][0].abs().max()  # the cap bites
+    torch.testing.assert_close(capped[3], want[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(capped[2], want[2], rtol=1e-5, atol=1e-5)
+    assert capped.computed == 6 and capped.passes == 2
+    torch.testing.assert_close(capped[5], want[5], rtol=1e-5, atol=1e-5)
+    assert capped.computed == 6 and capped.passes == 2
