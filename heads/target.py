@@ -182,7 +182,9 @@ class FrozenTarget(nn.Module):
         self.identity = identity
         self.model.eval()
         self.model.requires_grad_(False)
-        self.model.get_output_embeddings().register_forward_pre_hook(packed_rows)
+        head = self.model.get_output_embeddings()
+        if packed_rows not in head._forward_pre_hooks.values():  # a model wrapped twice gets it once
+            head.register_forward_pre_hook(packed_rows)
         # transformers renamed past_key_values -> cache in v5; support both spellings.
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"

@@ -102,6 +102,8 @@ def test_target_lm_head_gets_packed_rows_when_transformers_slices_the_last_posit
     model = tiny_model("llama").to(torch.bfloat16)
     from_model(model)
     head = model.get_output_embeddings()
+    from_model(model)  # wrapping the model again does not stack a second hook
+    assert len(head._forward_pre_hooks) == 1
     H = model.config.hidden_size
     seen: list[tuple[int, ...]] = []
     head.register_forward_pre_hook(lambda m, a: seen.append(a[0].stride()))  # runs after the target's hook
