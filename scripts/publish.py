@@ -34,7 +34,6 @@ import torch  # noqa: E402
 
 from draftheads.heads.checkpoint import atomic_dir, read_head, save_safetensors  # noqa: E402
 from draftheads.heads.target import EMBEDDED_TARGETS  # noqa: E402
-from draftheads.heads.target_source import TARGET_TERMS  # noqa: E402
 from draftheads.scripts.tau_table import file_sha256, read_json, tau_rows  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ def hub_id_of(target: dict[str, Any]) -> str | None:
     """The Hub id of the target, when it has one (embedded targets map to the model they were converted from)."""
     name = str(target.get("name") or "")
     if name in EMBEDDED_TARGETS:
-        return EMBEDDED_TARGETS[name][2]
+        return EMBEDDED_TARGETS[name].hub_id
     if HUB_ID.match(name) and not Path(name).exists():
         return name
     return None
@@ -56,9 +55,10 @@ def hub_id_of(target: dict[str, Any]) -> str | None:
 def license_of(license_id: str, target: dict[str, Any]) -> tuple[str, str | None]:
     """The card's license and notice: ``auto`` takes the embedded target's terms (a draft trained on a target's
     states inherits them: Gemma's for gemma3-270m), and ``other`` for a target whose terms we cannot know."""
-    if license_id != "auto":
-        return license_id, TARGET_TERMS.get(str(target.get("name") or ""), (None, None))[1]
-    return TARGET_TERMS.get(str(target.get("name") or ""), ("other", None))
+    entry = EMBEDDED_TARGETS.get(str(target.get("name") or ""))
+    if entry is None:
+        return ("other" if license_id == "auto" else license_id), None
+    return (entry.license if license_id == "auto" else license_id), entry.notice
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
