@@ -267,12 +267,13 @@ def test_acceptance_job_chooses_the_tree_and_reports_model_vs_measurement(tiny_t
     assert res["drafter"]["tree_select"] == "auto" and res["drafter"]["tree_source"] == "auto"
     assert c["free"] == ["size", "lookup_branch"] and 2 <= c["chosen"]["size"] <= 64
     lb = c["lookup_branch"]  # the branch measured on top of the chosen head tree, the best modeled one kept
-    assert lb["lengths"] == [0, 3, 6, 10]
+    assert lb["lengths"] == [0, 3, 6, 10, 16]
     heads = 1 + (c["narrow"] is not None)  # the head's best tree, and the best of <= 8 nodes when that differs
     assert [r["lookup_branch"] for r in lb["rows"]] == lb["lengths"] * heads
-    assert [r["size"] for r in lb["rows"][:4]] == [c["head_only"]["size"]] * 4
+    n = len(lb["lengths"])
+    assert [r["size"] for r in lb["rows"][:n]] == [c["head_only"]["size"]] * n
     if c["narrow"]:
-        assert [r["size"] for r in lb["rows"][4:]] == [c["narrow"]["size"]] * 4 and c["narrow"]["size"] <= 8
+        assert [r["size"] for r in lb["rows"][n:]] == [c["narrow"]["size"]] * n and c["narrow"]["size"] <= 8
     assert c["chosen"] == max(lb["rows"], key=lambda r: r["modeled_speedup"])
     assert res["drafter"].get("lookup_branch", 0) == c["chosen"]["lookup_branch"]
     assert res["drafter"]["tree_size"] == c["chosen"]["size"] == len(c["paths"]) + 1
