@@ -291,3 +291,22 @@ def test_exact_rule_samples_the_target_distribution_beyond_the_window(family, sm
     monkeypatch.setattr(tree_masks_mod, "windowed", lambda full, depths, cur, window: full)
     st, _ = sample_fit(tgt, drafter, prompt, joint, 1000, seed=1)
     assert not consistent(st) and st["p_value"] < 1e-6, (family, "window-blind", st)
+
+
+@pytest.mark.slow
+def test_exact_rule_with_a_final_logit_softcap(tmp_path, monkeypatch):
+    """Gemma 2's ``final_logit_softcapping`` (cap·tanh(logits/cap)) changes the sampled distribution, so every row the
+    rule reads must carry it, the tree's prefetched rows as well as those read later; a cap that bites (0.5 on logits
+    of about one unit, all four tokens sampled) turns an uncapped row into a detectably different distribution."""
+    monkeypatch.setitem(globals(), "SAMPLING", {"temperature": 1.0, "top_p": 1.0, "top_k": 0})
+    model = gemma3_model(vocab_size=V, seed=5, peak=6.0, hidden=32)
+    model.config.final_logit_softcapping = 0.5
+    tgt = from_model(model)
+    assert tgt.logit_softcap == 0.5
+    prompt = torch.randint(0, V, (3 * W,), generator=torch.Generator().manual_seed(2)).tolist()
+    head = save_head("eagle3", tgt, tmp_path / "head", scale=0.5)
+    drafter, _ = build_drafter("auto", tgt, str(head), OmegaConf.create(SMALL_TREES["eagle3"]), tgt.dtype)
+    joint = target_joint(tgt, prompt, 3)  # transformers' own forward, which applies the cap
+    st, steps = sample_fit(tgt, drafter, prompt, joint, 1000, seed=1)
+    assert consistent(st), st
+    assert any(a > 0 for a, _ in steps) and any(a < d for a, d in steps), steps
