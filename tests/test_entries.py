@@ -68,6 +68,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "scripts/bench_launch.py": (["--global-batch", "7", "--processes", "2"],
                                 "error: --global-batch must be divisible by --processes"),
     "scripts/bench_decode_attn.py": (["--kernel", "--keys", "0"], "error: --keys must be >= 1, got 0"),
+    "scripts/bench_verify_cost.py": (["--context", "0"], "error: --context 0, --repeats 7 and every --widths value "
+                                                         "[1, 2, 4, 8, 16, 32, 64] must be at least 1"),
 }
 
 # Wrapped entries without a cheap user error to run (each would time or train something first).
