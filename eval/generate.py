@@ -208,10 +208,11 @@ class LazyLogitRows(_RowsOnDemand):
     a CPU: [64, H] x [H, 49k] took ~3x a one-row pass here. ``prefetch`` rows (the drafter's
     first-choice chain, the likeliest accepted path) go through in one product. A row read outside it
     brings its own first-choice chain below it (``parents``) in one more product: the walk goes on down
-    that chain when it goes on at all, and for a large vocabulary a pass over a few rows costs about
-    what one row does, since each pass reads the whole weight (Gemma 3's 262k x 640 lm_head in fp32,
-    2 cores: 57 ms for one row, ~70 ms for eight). A row is the same product as in the full pass, so
-    greedy results are unchanged.
+    that chain when it goes on at all, and for a large vocabulary a pass over a few rows costs far less
+    than a pass per row, since each pass reads the whole weight (Gemma 3's 262k x 640 lm_head on 2
+    cores: 20.6 ms for one row and 25.8 for eight in bf16, 55 and 99 ms in fp32;
+    scripts/bench_verify_cost.py). A row is the same product as in the full pass, so greedy results
+    are unchanged.
     """
 
     def __init__(self, hidden: torch.Tensor, lm_head: torch.nn.Module, prefetch: Sequence[int] = (),
