@@ -172,7 +172,8 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     A merged tree's E[accepted + 1] is not a product of per-depth tables (the copied branch is right or wrong
     as a whole, and shares nodes with the head's guess), so it is measured: each (head tree, length) decodes
     the calibration prompts through the real loop. Costs come from the same model as the head's tree: the
-    anchored profile at each step's own width, the timed draft ms per step, bookkeeping as a line in the width.
+    anchored profile at each step's own width, the draft ms per step (timed per head tree without the branch and
+    with the longest; shorter branches cost the same lookup search), bookkeeping as a line in the width.
     ``report`` (the head stage's, {} when no head knob was free) gains ``lookup_branch``; its ``chosen`` entry
     becomes the merged tree's numbers (``head_only`` keeps the head stage's)."""
     eos = set(int(e) for e in eos)
@@ -186,9 +187,19 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
             res = generate(target, d, p, new_tokens, eos)
             a.extend(res.accepted)
             w.extend(res.tree_sizes)
-    *timings, plain = time_drafters(target, runs + [({"plain": True}, NoDrafter())], calib.prompts, timing_tokens)
-    book = _book_line(timings + [plain])
-    t_verify = anchored_verify(profile, timings + [plain])
+    # Timed: per head tree, without the branch and with the longest one. The branch's draft cost is the lookup
+    # search, the same at any length > 0 (its width is priced by the verification model), so the other lengths
+    # take the longest one's draft time instead of a timing run of their own.
+    longest = max(lengths)
+    timed = [j for j, c in enumerate(configs) if c["lookup_branch"] in (0, longest)]
+    *measured, plain = time_drafters(target, [runs[j] for j in timed] + [({"plain": True}, NoDrafter())],
+                                     calib.prompts, timing_tokens)
+    by_config = dict(zip(timed, measured))
+    per_tree = len(lengths)
+    timings = [by_config[j] if j in by_config else by_config[(j // per_tree) * per_tree + lengths.index(longest)]
+               for j in range(len(configs))]
+    book = _book_line(measured + [plain])
+    t_verify = anchored_verify(profile, measured + [plain])
     plain_ms = t_verify(1) + plain.draft_ms + book(1)
     rows = []
     keys = [k for k in ("size", "top_k", "depth", "nodes") if k in (report.get("chosen") or {})]  # the head's knobs
@@ -205,7 +216,7 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     best = configs[i]
     report = {**report, "select": "auto", "free": list(report.get("free", [])) + ["lookup_branch"],
               "head_only": report.get("chosen"), "chosen": rows[i], "paths": best.get("paths"),
-              "lookup_branch": {"lengths": list(lengths), "rows": rows, "plain_step_ms": round(plain_ms, 3),
+              "lookup_branch": {"lengths": list(lengths), "timed_lengths": sorted({0, longest} & set(lengths)), "rows": rows, "plain_step_ms": round(plain_ms, 3),
                                 "prompts": len(calib.prompts), "new_tokens": new_tokens}}
     log.info("tree=auto lookup_branch: %s (measured E[acc+1] %.3f, modeled %.2fx plain)", tree_label(rows[i]),
              rows[i]["expected_tokens"], rows[i]["modeled_speedup"])
