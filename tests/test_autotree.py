@@ -274,6 +274,11 @@ def test_acceptance_job_chooses_the_tree_and_reports_model_vs_measurement(tiny_t
     assert [r["size"] for r in lb["rows"][:n]] == [c["head_only"]["size"]] * n
     if c["narrow"]:
         assert [r["size"] for r in lb["rows"][n:]] == [c["narrow"]["size"]] * n and c["narrow"]["size"] <= 8
+    # timed without the branch and with the longest; every length > 0 of a tree carries the longest one's draft time
+    assert lb["timed_lengths"] == [0, 16]
+    for t in range(heads):
+        rows = lb["rows"][t * n:(t + 1) * n]
+        assert len({r["t_draft_ms"] for r in rows if r["lookup_branch"] > 0}) == 1
     assert c["chosen"] == max(lb["rows"], key=lambda r: r["modeled_speedup"])
     assert res["drafter"].get("lookup_branch", 0) == c["chosen"]["lookup_branch"]
     assert res["drafter"]["tree_size"] == c["chosen"]["size"] == len(c["paths"]) + 1
