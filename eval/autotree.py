@@ -191,13 +191,17 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     # search, the same at any length > 0 (its width is priced by the verification model), so the other lengths
     # take the longest one's draft time instead of a timing run of their own.
     longest = max(lengths)
-    timed = [j for j, c in enumerate(configs) if c["lookup_branch"] in (0, longest)]
+
+    def timed_as(j: int) -> int:
+        """The config whose timing config j takes: itself without the branch, else its tree's longest branch."""
+        tree_i, n = divmod(j, len(lengths))
+        return j if lengths[n] == 0 else tree_i * len(lengths) + list(lengths).index(longest)
+
+    timed = sorted({timed_as(j) for j in range(len(configs))})
     *measured, plain = time_drafters(target, [runs[j] for j in timed] + [({"plain": True}, NoDrafter())],
                                      calib.prompts, timing_tokens)
     by_config = dict(zip(timed, measured))
-    per_tree = len(lengths)
-    timings = [by_config[j] if j in by_config else by_config[(j // per_tree) * per_tree + lengths.index(longest)]
-               for j in range(len(configs))]
+    timings = [by_config[timed_as(j)] for j in range(len(configs))]
     book = _book_line(measured + [plain])
     t_verify = anchored_verify(profile, measured + [plain])
     plain_ms = t_verify(1) + plain.draft_ms + book(1)
@@ -216,8 +220,10 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     best = configs[i]
     report = {**report, "select": "auto", "free": list(report.get("free", [])) + ["lookup_branch"],
               "head_only": report.get("chosen"), "chosen": rows[i], "paths": best.get("paths"),
-              "lookup_branch": {"lengths": list(lengths), "timed_lengths": sorted({0, longest} & set(lengths)), "rows": rows, "plain_step_ms": round(plain_ms, 3),
-                                "prompts": len(calib.prompts), "new_tokens": new_tokens}}
+              "lookup_branch": {"lengths": list(lengths),
+                                "timed_lengths": sorted({configs[j]["lookup_branch"] for j in timed}), "rows": rows,
+                                "plain_step_ms": round(plain_ms, 3), "prompts": len(calib.prompts),
+                                "new_tokens": new_tokens}}
     log.info("tree=auto lookup_branch: %s (measured E[acc+1] %.3f, modeled %.2fx plain)", tree_label(rows[i]),
              rows[i]["expected_tokens"], rows[i]["modeled_speedup"])
     return best, report

@@ -58,8 +58,8 @@ RANDOM_TARGETS = {"random:gemma3-262k": ("gemma3_text", GEMMA3_270M),
                   "random:tiny-49k": ("gemma3_text", {**TINY, "vocab_size": 49152}),
                   "random:tiny-262k": ("gemma3_text", {**TINY, "vocab_size": 262144})}
 # scripts/quickstart.sh's Medusa training (its STEPS default is 100)
-QUICKSTART = ["data=sharegpt_small", "data.max_length=256", "train.batch_size=4", "head.share_lm_head=true", "optim.lr=2e-3",
-              "train.save_every=50", "train.overwrite=true"]
+QUICKSTART = ["data=sharegpt_small", "data.max_length=256", "train.batch_size=4", "head.share_lm_head=true",
+              "optim.lr=2e-3", "train.save_every=50", "train.overwrite=true"]
 # per family: what the cells change from conf/<family>.yaml (Medusa as the quickstart trains it); others: nothing
 FAMILY_OVERRIDES = {"medusa": ["head.share_lm_head=true"]}
 
