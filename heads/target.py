@@ -306,9 +306,24 @@ def _fingerprint(model: nn.Module) -> str:
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
 
 
+def load_tokenizer(path: str, **kw: Any) -> Any:
+    """The target's tokenizer; a folder we converted from a GGUF loads its serialized tokenizer.json as is.
+
+    Why: there the file is the tokenizer (written by the conversion, fingerprinted with the folder), and a
+    model-specific class in transformers 5 rebuilds the same Rust tokenizer from a Python copy of the vocabulary and
+    merges that it keeps: ~150 MB resident for Gemma 3's 262k ids, in every training and eval process.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = Path(path)
+    if (folder / "draftheads_source.json").is_file() and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, **kw)
+    return AutoTokenizer.from_pretrained(path, **kw)
+
+
 def load_target(cfg: TargetConfig | dict | Any, device: str | torch.device = "cpu") -> FrozenTarget:
     """Load any transformers causal LM (local dir, hub id, or an embedded name) frozen and in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     if not isinstance(cfg, TargetConfig):
         cfg = TargetConfig(**{k: v for k, v in dict(cfg).items() if k in TargetConfig.__dataclass_fields__})
@@ -316,7 +331,7 @@ def load_target(cfg: TargetConfig | dict | Any, device: str | torch.device = "cp
     kw = dict(revision=cfg.revision if cfg.name not in EMBEDDED_TARGETS else None,
               trust_remote_code=cfg.trust_remote_code, local_files_only=cfg.local_files_only)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **kw)
+        tokenizer = load_tokenizer(path, **kw)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=parse_dtype(cfg.dtype, device), attn_implementation=cfg.attn_implementation, **kw)
     except OSError as e:

@@ -109,3 +109,43 @@ def test_unreadable_gguf_is_a_clear_error(tmp_path, monkeypatch):
         ts.resolve_target(TargetConfig(name=str(g)))
     # no converted folder and no temp dir left behind: only the remembered sha256
     assert [p.name for p in (tmp_path / "cache" / "targets").iterdir()] == ["gguf-sha256"]
+
+
+def _tiny_gemma_tokenizer():
+    """A model-specific tokenizer class (GemmaTokenizer: it keeps a Python copy of its vocabulary and merges)."""
+    from transformers import GemmaTokenizer
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    pieces = specials + [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + list("abcdefghijklmnopqrstuvwxyz")
+    pieces += ["▁h", "▁hi", "he", "ll", "llo", "▁he", "▁hello"]
+    merges = [("▁", "h"), ("▁h", "i"), ("h", "e"), ("l", "l"), ("ll", "o"), ("▁h", "e"), ("▁he", "llo")]
+    tok = GemmaTokenizer(vocab={p: i for i, p in enumerate(pieces)}, merges=merges,
+                         additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    tok.chat_template = "{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}"
+    return tok
+
+
+def test_converted_folder_loads_its_serialized_tokenizer(tmp_path):
+    """A folder we converted from a GGUF loads tokenizer.json with the generic fast class (no Python copy of the
+    vocabulary and merges) and tokenizes exactly as the model-specific class does; any other folder keeps
+    AutoTokenizer's class."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from draftheads.heads.target import load_tokenizer
+
+    _tiny_gemma_tokenizer().save_pretrained(tmp_path)
+    plain = load_tokenizer(str(tmp_path))
+    assert type(plain).__name__ == "GemmaTokenizer" and getattr(plain, "_merges", None)
+    (tmp_path / "draftheads_source.json").write_text(json.dumps({"revision": "gguf-sha256:0"}))
+    conv = load_tokenizer(str(tmp_path))
+    assert type(conv) is PreTrainedTokenizerFast and not hasattr(conv, "_merges")
+    ref = AutoTokenizer.from_pretrained(tmp_path)
+    assert conv.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()  # the same pipeline, serialized
+    for text in ("hello hi", "hi  héllo\nzz", "<start_of_turn>hello<end_of_turn>"):
+        assert conv(text)["input_ids"] == ref(text)["input_ids"]
+        assert conv.decode(conv(text)["input_ids"]) == ref.decode(ref(text)["input_ids"])
+    msgs = [{"role": "user", "content": "hello"}]
+    assert conv.apply_chat_template(msgs, tokenize=False) == ref.apply_chat_template(msgs, tokenize=False)
+    assert [conv.eos_token_id, conv.bos_token_id, conv.pad_token_id] == [ref.eos_token_id, ref.bos_token_id,
+                                                                         ref.pad_token_id]
+    assert len(conv) == len(ref)
