@@ -162,6 +162,16 @@ def choose(kind: str, make: Callable[[dict[str, Any], dict[str, Any]], Any], tar
     return out_tree, out_base, report
 
 
+def timing_sources(n_trees: int, lengths: Sequence[int]) -> list[int]:
+    """For each (head tree, branch length) config, tree-major, the config whose draft timing it takes.
+
+    Itself without the branch, else its own tree's longest branch: the branch costs its lookup search at any
+    length > 0, while its width is priced by the verification model."""
+    longest = list(lengths).index(max(lengths))
+    return [j if lengths[j % len(lengths)] == 0 else (j // len(lengths)) * len(lengths) + longest
+            for j in range(n_trees * len(lengths))]
+
+
 def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], target: Any,
                          trees: Sequence[dict[str, Any]], baselines: dict[str, Any], calib: Calibration,
                          profile: dict[str, Any], new_tokens: int, timing_tokens: int, eos: Iterable[int],
@@ -190,18 +200,12 @@ def choose_lookup_branch(make: Callable[[dict[str, Any], dict[str, Any]], Any], 
     # Timed: per head tree, without the branch and with the longest one. The branch's draft cost is the lookup
     # search, the same at any length > 0 (its width is priced by the verification model), so the other lengths
     # take the longest one's draft time instead of a timing run of their own.
-    longest = max(lengths)
-
-    def timed_as(j: int) -> int:
-        """The config whose timing config j takes: itself without the branch, else its tree's longest branch."""
-        tree_i, n = divmod(j, len(lengths))
-        return j if lengths[n] == 0 else tree_i * len(lengths) + list(lengths).index(longest)
-
-    timed = sorted({timed_as(j) for j in range(len(configs))})
+    source = timing_sources(len(trees), lengths)
+    timed = sorted(set(source))
     *measured, plain = time_drafters(target, [runs[j] for j in timed] + [({"plain": True}, NoDrafter())],
                                      calib.prompts, timing_tokens)
     by_config = dict(zip(timed, measured))
-    timings = [by_config[timed_as(j)] for j in range(len(configs))]
+    timings = [by_config[source[j]] for j in range(len(configs))]
     book = _book_line(measured + [plain])
     t_verify = anchored_verify(profile, measured + [plain])
     plain_ms = t_verify(1) + plain.draft_ms + book(1)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import compose
-from draftheads.eval.autotree import tree_label
+from draftheads.eval.autotree import timing_sources, tree_label
 from draftheads.eval.autotree_knobs import explicit_knob, fill_defaults, free_knobs
 from draftheads.eval.calibration import acceptance_table, calibration_split
 from draftheads.eval.trees import chain, expected_tokens, greedy_tree_order, static_tree
@@ -39,6 +39,14 @@ def _brute_force(paths, table) -> float:
             acc += 1
         total += p * (acc + 1)
     return total
+
+
+def test_lookup_branch_lengths_take_their_own_trees_longest_timing():
+    # three head trees x lengths [0, 3, 6, 16], tree-major: length 0 is timed itself, the others borrow the
+    # timing of the same tree's 16-token branch (never another tree's)
+    assert timing_sources(3, [0, 3, 6, 16]) == [0, 3, 3, 3, 4, 7, 7, 7, 8, 11, 11, 11]
+    assert timing_sources(2, [6, 0, 16]) == [2, 1, 2, 5, 4, 5]  # order-free: the longest wherever it sits
+    assert timing_sources(1, [0]) == [0]
 
 
 def test_chain_gives_the_closed_form():
