@@ -25,6 +25,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from draftheads.heads.malloc import release_freed_memory
+
 from draftheads.heads.target_source import EMBEDDED_TARGETS, resolve_target
 
 log = logging.getLogger(__name__)
@@ -300,10 +302,16 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _fingerprint(model: nn.Module) -> str:
-    """Hash of the lm_head rounded to bf16, so fp32 and bf16 loads of the same weights agree."""
-    w = model.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16).to(torch.float32).contiguous()
-    return hashlib.sha256(w.numpy().tobytes()).hexdigest()[:16]
+def _fingerprint(model: nn.Module, rows: int = 4096) -> str:
+    """Hash of the lm_head rounded to bf16, so fp32 and bf16 loads of the same weights agree.
+
+    Hashed ``rows`` at a time (the same bytes in the same order): a whole-matrix fp32 copy of a 262k-row lm_head
+    and its bytes would be ~1.3 GB of transient memory."""
+    w = model.get_output_embeddings().weight.detach()
+    h = hashlib.sha256()
+    for i in range(0, w.shape[0], rows):
+        h.update(w[i:i + rows].to("cpu", torch.bfloat16).to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def load_tokenizer(path: str, **kw: Any) -> Any:
@@ -346,6 +354,7 @@ def load_target(cfg: TargetConfig | dict | Any, device: str | torch.device = "cp
         name=cfg.name, revision=revision, fingerprint=_fingerprint(model), model_type=model.config.model_type,
         vocab_size=model.get_output_embeddings().weight.shape[0], hidden_size=model.config.hidden_size,
         num_layers=model.config.num_hidden_layers)
+    release_freed_memory()  # the tokenizer's parse buffers and the loading's copies, freed above
     return FrozenTarget(model, tokenizer, identity)
 
 

@@ -97,3 +97,37 @@ def test_a_bad_setting_is_one_line_in_the_benchmark_entry_too():
     assert out.stderr.strip().splitlines() == [
         "error: environment variable DRAFTHEADS_MALLOC='sytem': allowed values are ['keep', 'system'] (unset means keep)"]
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+RELEASE = """
+import torch
+from draftheads.heads.malloc import keep_freed_memory, release_freed_memory
+def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2 ** 20
+assert keep_freed_memory()
+xs = [torch.ones(2 ** 24) for _ in range(4)]  # 4 x 64 MiB, every page written, served from the heap
+del xs
+kept = rss()
+ran = release_freed_memory()
+print(ran, kept - rss())
+"""
+
+
+@pytest.mark.slow  # a child process (malloc settings are process-wide)
+@glibc
+def test_what_setup_freed_is_handed_back_once():
+    """Kept memory stays resident until release_freed_memory (which load_target calls once, after loading)."""
+    e = {k: v for k, v in os.environ.items() if k != malloc.ENV and not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", RELEASE], env=dict(e, OMP_NUM_THREADS="1"), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ran, released = out.stdout.split()
+    assert ran == "True" and float(released) >= 200  # of the 256 MiB freed
+
+
+def test_load_target_hands_back_what_loading_freed(monkeypatch, tiny_target_dir):
+    from draftheads.heads import target as tg
+
+    calls = []
+    monkeypatch.setattr(tg, "release_freed_memory", lambda: calls.append(1) or True)
+    tg.load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    assert calls == [1]
