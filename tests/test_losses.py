@@ -171,3 +171,24 @@ def test_fused_linear_cross_entropy_through_a_frozen_projection(monkeypatch):
     with torch.no_grad():  # evaluation: no gradient is computed or kept
         loss, hits = losses.linear_cross_entropy(h0.requires_grad_(), proj, labels)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5) and not loss.requires_grad
+
+
+def test_fused_loss_computes_in_the_frozen_weights_dtype_under_autocast():
+    """bf16 autocast (train.mixed_precision on a bf16-capable CPU) around an fp32 frozen projection: the fused loss
+    runs its matmuls in fp32 (no per-chunk bf16 copy of the weight), so loss and grad_h equal the fp32 ones; the
+    same products in bf16 differ by > 1e-3."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(64, 500, bias=False).requires_grad_(False)
+    labels = torch.randint(0, 500, (40,))
+    h0 = torch.randn(40, 64)
+    h = h0.clone().requires_grad_()
+    ref, _ = losses.linear_cross_entropy(h, proj, labels)
+    ref.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ha = h0.clone().requires_grad_()
+        loss, _ = losses.linear_cross_entropy(ha, proj, labels)
+        z_bf16 = proj(h0).float()  # what autocast makes of the product
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(ha.grad, h.grad, rtol=1e-6, atol=1e-7)
+    assert (z_bf16 - proj(h0)).abs().max() > 1e-3  # bf16 products differ visibly: the check can tell them apart

@@ -92,12 +92,23 @@ class LinearCrossEntropy(torch.autograd.Function):
     ``chunked_sum``'s checkpointing, which made a Medusa step ~1.45x slower) and O(n·H) memory; the gradient flows
     to h only. y: hard ``labels`` [n], or soft targets from ``target_probs(i, j)`` -> [j - i, V] fp32 rows (no
     grad; then ``labels`` only count hits). Counts: hard [top-1 = y, y in top-k]; soft [top-1 = target argmax,
-    target argmax in top-k, top-1 = label]."""
+    target argmax in top-k, top-1 = label].
+
+    Both matmuls run in the weight's own dtype, autocast off: under bf16 autocast an fp32 frozen weight would
+    be cast again for every chunk (a 335 MB bf16 copy of Gemma 3's [262k, 640] lm_head per matmul, slower than
+    the fp32 product itself on CPU)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                 top_k: int, need_grad: bool, target_probs: Callable[[int, int], torch.Tensor] | None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        with torch.autocast(h.device.type, enabled=False):
+            return LinearCrossEntropy._forward(ctx, h, weight, bias, labels, top_k, need_grad, target_probs)
+
+    @staticmethod
+    def _forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                 top_k: int, need_grad: bool, target_probs: Callable[[int, int], torch.Tensor] | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         n, V = h.shape[0], weight.shape[0]
         rows = chunk_rows(V)
         grad = torch.empty_like(h) if need_grad else h.new_zeros(0)
