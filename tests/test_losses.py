@@ -130,6 +130,9 @@ def test_eagle3_chunks_equal_one_chunk(target, batch, monkeypatch):
     torch.testing.assert_close(info["mass"], torch.softmax(z, -1)[..., ids].sum(-1))
     amax = z.argmax(-1)
     assert torch.equal(info["argmax"], torch.where(d.t2d[amax], (d.t2d.long().cumsum(0) - 1)[amax], -1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an fp32 target under bf16 autocast: still its fp32 product
+        info_ac = obj.target_info(top)
+    torch.testing.assert_close(info_ac["probs"], info["probs"], rtol=1e-6, atol=1e-7)
 
 
 def test_chunked_topk_and_empty_inputs():

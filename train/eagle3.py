@@ -95,7 +95,8 @@ class Eagle3Objective(nn.Module):
         mass = torch.empty(B * T, dtype=torch.float32, device=top.device)
         c = chunk_rows(head.weight.shape[0])
         for i in range(0, B * T, c):
-            z = F.linear(rows[i:i + c], head.weight, head.bias).float()  # [c, V]
+            with torch.autocast(top.device.type, enabled=False):  # the target's dtype: no per-chunk weight cast
+                z = F.linear(rows[i:i + c], head.weight, head.bias).float()  # [c, V]
             r = z.index_select(1, ids)  # [c, DV] logits at the draft-vocab ids
             m_in, a_in = r.max(-1)
             lse_in = torch.logsumexp(r, -1)
