@@ -135,6 +135,8 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from hydra import compose, initialize_config_dir
 
+    from draftheads.train.distributed import resolve_mixed_precision
+
     family, device = spec["family"], spec["device"]
     entry = importlib.import_module(f"draftheads.train.{family}")
     cuda = device == "cuda"
@@ -184,6 +186,7 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     out = {"steps": int(summary["steps"]), "seconds": round(seconds, 1),
            "seconds_per_step": round(float(summary["seconds"]) / max(1, int(summary["steps"])), 1),
            "vocab_size": int(tgt.vocab_size), "hidden_size": int(tgt.hidden_size), "target_dtype": str(tgt.dtype),
+           "mixed_precision": resolve_mixed_precision(str(cfg.train.mixed_precision), device),
            "weights_target_mb": round(weights_target * mb, 1), "weights_draft_mb": round(weights_draft * mb, 1),
            "trainable_params": int(tr.trainable_params), "optimizer_state_mb": round(storage_bytes(opt) * mb, 1),
            "grads_mb_at_most": round(sum(p.numel() * p.element_size() for p in objective.parameters()
