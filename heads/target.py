@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from draftheads.heads.malloc import release_freed_memory
-
 from draftheads.heads.target_source import EMBEDDED_TARGETS, resolve_target
 
 log = logging.getLogger(__name__)
