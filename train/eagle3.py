@@ -94,15 +94,15 @@ class Eagle3Objective(nn.Module):
         amax = torch.empty(B * T, dtype=torch.long, device=top.device)
         mass = torch.empty(B * T, dtype=torch.float32, device=top.device)
         c = chunk_rows(head.weight.shape[0])
-        for i in range(0, B * T, c):
-            with torch.autocast(top.device.type, enabled=False):  # the target's dtype: no per-chunk weight cast
+        with torch.autocast(top.device.type, enabled=False):  # the target's dtype: no per-chunk weight cast
+            for i in range(0, B * T, c):
                 z = F.linear(rows[i:i + c], head.weight, head.bias).float()  # [c, V]
-            r = z.index_select(1, ids)  # [c, DV] logits at the draft-vocab ids
-            m_in, a_in = r.max(-1)
-            lse_in = torch.logsumexp(r, -1)
-            probs[i:i + c] = torch.softmax(r, -1)
-            amax[i:i + c] = torch.where(m_in >= z.max(-1).values, a_in, -1)  # a tie with an OOV id: in-vocab wins
-            mass[i:i + c] = torch.exp(lse_in - torch.logsumexp(z, -1))
+                r = z.index_select(1, ids)  # [c, DV] logits at the draft-vocab ids
+                m_in, a_in = r.max(-1)
+                lse_in = torch.logsumexp(r, -1)
+                probs[i:i + c] = torch.softmax(r, -1)
+                amax[i:i + c] = torch.where(m_in >= z.max(-1).values, a_in, -1)  # a tie with an OOV id: in-vocab wins
+                mass[i:i + c] = torch.exp(lse_in - torch.logsumexp(z, -1))
         return {"probs": probs.view(B, T, -1), "argmax": amax.view(B, T), "mass": mass.view(B, T)}
 
     def _chunk_ce(self, probs: torch.Tensor, argmax: torch.Tensor, h: torch.Tensor, rows: torch.Tensor,
