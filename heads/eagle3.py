@@ -1,7 +1,8 @@
 """EAGLE-3 draft (Li et al., 2025): fused low/mid/high target features, one decoder layer, a draft vocabulary.
 
 Step 0 at draft position t reads the target's hidden states at three layers (default: the inputs of
-decoder layers 2, L//2 and L-3; heads/target.py convention) fused by ``fc: n_aux·H -> H``, together
+decoder layers 2, L//2 and L-3; heads/target.py convention) fused by ``fc: n_aux·H -> H`` (with
+``aux_scale``, of the features times a fixed per-channel scale: see :meth:`Eagle3Draft.set_aux_scale`), together
 with the token that actually followed, x_{t+1}. The layer's attention reads
 ``[input_layernorm(embed(x_{t+1})); hidden_norm(h)]`` (2H wide: q/k/v project from 2H, o_proj back
 to H) while the residual stream carries h (or hidden_norm(h) with ``norm_before_residual``); then the
@@ -15,7 +16,7 @@ So step s at position t reads (output of step s-1 at t, x_{t+1+s}) at position i
 x_{t+2+s}.
 
 Parameter names follow the vLLM ``speculators`` layout (``fc``, ``layers.0.*``, ``norm``,
-``lm_head``, buffers ``d2t``/``t2d``), so exports are renames at most. The target's embedding is
+``lm_head``, buffers ``d2t``/``t2d``), so exports are renames at most (and ``aux_scale`` folded into ``fc``). The target's embedding is
 held unregistered (never trained or saved here; an export writes it from the target).
 
 The draft vocabulary mapping is part of the checkpoint and is validated on load; it is never
@@ -83,6 +84,7 @@ class Eagle3Config:
     aux_layers: list[int] = field(default_factory=list)  # fused hidden-state indices (input of decoder layer i)
     draft_vocab_size: int = 0  # DV <= V: rows of the draft's lm_head
     norm_before_residual: bool = False  # residual stream carries hidden_norm(h) instead of h
+    aux_scale: bool = False  # fc reads the aux features times a fixed per-channel scale (buffer aux_scale)
     layer_config: dict[str, Any] = field(default_factory=dict)  # target-config fields the draft layer was built from
 
     def __post_init__(self) -> None:
@@ -94,12 +96,13 @@ class Eagle3Config:
 
 
 def eagle3_config_for(target: FrozenTarget, aux_layers: Sequence[int] | None, draft_vocab_size: int,
-                      norm_before_residual: bool = False) -> Eagle3Config:
+                      norm_before_residual: bool = False, aux_scale: bool = False) -> Eagle3Config:
     L = target.num_layers
     aux = check_aux_layers(default_aux_layers(L) if aux_layers is None else aux_layers, L)
     return Eagle3Config(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_target_layers=L,
                         aux_layers=aux, draft_vocab_size=resolve_draft_vocab_size(draft_vocab_size, target.vocab_size),
-                        norm_before_residual=bool(norm_before_residual), layer_config=_layer_fields(target.config))
+                        norm_before_residual=bool(norm_before_residual), aux_scale=bool(aux_scale),
+                        layer_config=_layer_fields(target.config))
 
 
 # ------------------------------------------------------------------------------------------
@@ -153,6 +156,8 @@ class Eagle3Draft(DraftVocabIds, nn.Module):
         self._rope_kw = rotary_kwargs(self.rotary, self.layer_config)
         self.register_buffer("d2t", torch.zeros(DV, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        if config.aux_scale:  # fp32 whatever the weights' dtype; saved with them, folded into fc by exports
+            self.register_buffer("aux_scale", torch.ones(len(config.aux_layers) * H))
         family_init(layer, target)
         self._init_weights(float(getattr(self.layer_config, "initializer_range", 0.02)))
         self._rope = _rope_fn(attn)
@@ -194,9 +199,27 @@ class Eagle3Draft(DraftVocabIds, nn.Module):
             m.to(dtype)
         return self
 
+    @torch.no_grad()
+    def set_aux_scale(self, scale: torch.Tensor) -> None:
+        """Fix the per-channel scale of the aux features (fresh drafts, before training): 1/RMS per channel.
+
+        Why: some targets carry a few channels ~100x the others (Gemma 3 270M: one channel holds 63% of the
+        concatenated features' energy), so fc's output, and the hidden_norm after it, is that channel until fc
+        learns to shrink its columns. The scale is linear, so exports fold it into fc.weight."""
+        assert self.config.aux_scale, "the draft was built without aux_scale"
+        assert scale.shape == self.aux_scale.shape and bool(torch.isfinite(scale).all()), scale.shape
+        self.aux_scale.copy_(scale)
+
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[.., n_aux·H] concatenated target features -> [.., H] step-0 input."""
+        if self.config.aux_scale:
+            aux = aux.float() * self.aux_scale  # [.., n_aux·H]
         return self.fc(aux.to(self.fc.weight.dtype))
+
+    def folded_fc_weight(self) -> torch.Tensor:
+        """fc.weight with aux_scale folded in [H, n_aux·H] fp32: what an engine that feeds raw features needs."""
+        w = self.fc.weight.detach().float()
+        return w * self.aux_scale[None] if self.config.aux_scale else w
 
     def _inputs(self, h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input [B, S, 2H], residual [B, S, H])."""

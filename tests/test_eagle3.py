@@ -441,7 +441,7 @@ def test_training_lowers_loss_resumes_exactly_and_fine_tunes_keep_the_vocab(tmp_
     assert mean("loss", last) < 0.5 * mean("loss", first), {s: r["loss"] for s, r in rows.items()}
     for s in range(3):
         assert mean(f"ce/s{s}", last) < 0.6 * mean(f"ce/s{s}", first)
-    assert mean("top1/s0", first) < 0.01 < mean("top1/s0", range(15, 25))
+    assert mean("top1/s0", first) < 0.5 * mean("top1/s0", range(15, 25)) and mean("top1/s0", range(15, 25)) > 0.02
     assert {f"top1/s{s}" for s in range(3)} | {"ce/s0", "oov_argmax", "vocab_mass"} <= set(rows[24])
     assert summary["draft_vocab"]["source"] == "counted" and summary["draft_vocab"]["coverage"] == 1.0
     assert 0.0 < summary["draft_vocab"]["heldout_coverage"] <= 1.0
@@ -501,7 +501,7 @@ def test_frozen_lm_head_keeps_the_target_rows_and_trains_the_rest(tmp_path, peak
     assert torch.equal(tensors["lm_head.weight"], tgt.lm_head().weight.detach()[ids].float())
     H = tgt.hidden_size
     assert summary["trainable_params"] == sum(v.numel() for k, v in tensors.items()
-                                              if k not in ("d2t", "t2d")) - 100 * H
+                                              if k not in ("d2t", "t2d", "aux_scale")) - 100 * H
     assert json.loads((tmp_path / "frz" / "final" / "config.json").read_text())["freeze_lm_head"] is True
     # the fc and the layer did train
     init = tmp_path / "init"

@@ -2,6 +2,7 @@
 
 - ``draft_sequence``: positions and causal (per-document) mask of the draft's teacher-forced sequence.
 - ``feature_source``: online or offline (``features.dir``) training features; held-out rows always online.
+- ``feature_rms``: per-channel RMS of the target's features over the first training rows (a fixed input scale).
 - ``heldout_stat_means`` / ``heldout_evaluator``: the objective's own forward stats averaged over the first
   held-out rows, in lockstep over ranks (ZeRO-3/FSDP forwards are collective), recorded in the checkpoint.
 
@@ -15,8 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from draftheads.data_prep.dataset import collate
-from draftheads.data_prep.features import training_features
+from draftheads.data_prep.dataset import collate, shifted_valid
+from draftheads.data_prep.features import batch_hidden, training_features
 from draftheads.train.loop import lockstep_batches
 
 
@@ -32,6 +33,32 @@ def draft_sequence(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
         doc = batch["doc_ids"][:, :S]
         return batch["position_ids"][:, :S], causal[None] & (doc[:, :, None] == doc[:, None, :])
     return torch.arange(S, device=ids.device)[None].expand(B, S), causal[None].expand(B, S, S)
+
+
+@torch.no_grad()
+def feature_rms(rows: Any, collate_fn: Callable, target: Any, layers: Sequence[int], acc: Any,
+                max_tokens: int = 16384, batch_size: int = 4) -> tuple[torch.Tensor, int]:
+    """(per-channel RMS [len(layers)·H] fp32 of the concatenated features, tokens read): the target's features at
+    the labelled draft positions (``shifted_valid(batch, 2)``) of the first training rows, up to ~max_tokens.
+    Every rank reads the same rows, so every rank gets the same numbers and runs the same forwards (ZeRO-3/FSDP
+    forwards are collective). Channels that never move are clamped to 1% of the median RMS."""
+    sq: torch.Tensor | None = None
+    n, start = 0, 0
+    with acc.autocast():
+        while n < max_tokens and start < len(rows):
+            batch = {k: v.to(acc.device) for k, v in
+                     collate_fn([rows[j] for j in range(start, min(start + batch_size, len(rows)))]).items()}
+            start += batch_size
+            hidden = batch_hidden(batch, target, layers)
+            valid = shifted_valid(batch, 2)  # [B, T-2]
+            x = torch.cat([hidden[l][:, : valid.shape[1]][valid] for l in layers], dim=-1).double()  # [n, C]
+            sq = x.pow(2).sum(0) if sq is None else sq + x.pow(2).sum(0)
+            n += x.shape[0]
+    if sq is None or n == 0:
+        raise ValueError(f"no labelled (assistant) tokens in the first {start} training rows: cannot estimate the "
+                         f"feature scale; check data.* (the loss mask) or set head.aux_scale=false")
+    rms = (sq / n).sqrt().float()
+    return rms.clamp_min(float(rms.median()) * 1e-2), n
 
 
 @dataclass

@@ -46,7 +46,7 @@ from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
-from draftheads.train.common import draft_sequence, feature_source, heldout_evaluator
+from draftheads.train.common import draft_sequence, feature_rms, feature_source, heldout_evaluator
 from draftheads.train.losses import SoftCrossEntropy, chunk_rows, chunked_sum, chunked_topk
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, make_accelerator,
                         reference_ranks, resolve_out_dir, save_run_config, write_summary)
@@ -224,7 +224,7 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     V = target.vocab_size
     dv = resolve_draft_vocab_size(h.draft_vocab_size, V)
     config = eagle3_config_for(target, None if h.aux_layers is None else list(h.aux_layers), dv,
-                               bool(h.norm_before_residual))
+                               bool(h.norm_before_residual), bool(h.get("aux_scale", False)))
     if h.init_lm_head not in ("target", "random"):
         raise ValueError(f"head.init_lm_head must be target or random, got {h.init_lm_head!r}")
     vocab, info = counted_vocab(data, target.tokenizer, V, dv, h.get("draft_vocab_reference"))
@@ -232,6 +232,18 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     draft = Eagle3Draft(config, target)
     draft.set_vocab(vocab, init_lm_head_from=target.lm_head().weight if h.init_lm_head == "target" else None)
     return draft, info
+
+
+def fix_aux_scale(draft: Eagle3Draft, feats: Any, target: FrozenTarget, acc: Any, fresh: bool) -> dict[str, Any]:
+    """A fresh draft with ``aux_scale`` reads unit-RMS feature channels: the scale is 1/RMS over the first training
+    rows' labelled tokens, fixed before the first step (a resumed or fine-tuned draft keeps its checkpoint's)."""
+    if not draft.config.aux_scale:
+        return {"aux_scale": False}
+    if not fresh:
+        return {"aux_scale": "checkpoint"}
+    rms, n = feature_rms(feats.train, feats.collate, target, draft.config.aux_layers, acc)
+    draft.set_aux_scale(1.0 / rms)
+    return {"aux_scale": {"tokens": n, "max_over_median_rms": round(float(rms.max() / rms.median()), 2)}}
 
 
 def freeze_lm_head(draft: Eagle3Draft, h: DictConfig) -> None:
@@ -258,17 +270,19 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     draft = draft.to(acc.device)
     objective = Eagle3Objective(draft, target, int(h.ttt_steps), float(h.ttt_decay), bool(h.loss_checkpoint))
     feats = feature_source(cfg, target, data, objective.layers)
+    fresh = not str(vocab_info.get("source", "")).startswith(("resume:", "init_from:"))
+    scale_info = fix_aux_scale(draft, feats, target, acc, fresh)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
         log.info("EAGLE-3: %s layer, aux layers %s, draft vocab %d (%s), %.2fM trainable params, %d TTT steps; "
-                 "%d training examples; features %s", type(draft.layers[0]).__name__, draft.config.aux_layers,
-                 draft.config.draft_vocab_size, json.dumps(vocab_info),
+                 "%d training examples; features %s; feature scale %s", type(draft.layers[0]).__name__,
+                 draft.config.aux_layers, draft.config.draft_vocab_size, json.dumps(vocab_info),
                  sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6, objective.steps,
-                 len(data.train), feats.source)
+                 len(data.train), feats.source, json.dumps(scale_info))
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
              "features": feats.source, "draft_vocab": vocab_info, "ttt_steps": objective.steps,
-             "ttt_decay": objective.decay, "freeze_lm_head": bool(h.get("freeze_lm_head", False))}
+             "ttt_decay": objective.decay, "freeze_lm_head": bool(h.get("freeze_lm_head", False)), **scale_info}
     # Held-out CE and top-1 agreement with the target per TTT step, and the simulated τ (train.sim_tau_examples,
     # through acceptance_ranks): held-out rows always go through the target (online features).
     evaluate = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc, int(cfg.train.eval_tokens), extra)
