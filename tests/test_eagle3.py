@@ -717,3 +717,44 @@ def test_vocab_coverage_script_tables_sizes_with_and_without_a_reference(tmp_pat
     assert rows[1]["reference_coverage"] >= rows[0]["reference_coverage"]  # the reference voted for its own ids
     with pytest.raises(ValueError, match="sizes must be a list"):
         coverage(["sizes=8192", *over])
+
+
+def test_a_fresh_draft_reads_unit_rms_feature_channels(tmp_path, peaked_target_dir, chat_file):
+    """head.aux_scale (default): a fresh draft's saved scale makes every aux-feature channel unit-RMS over the rows
+    it was estimated on (the first training rows' labelled positions), checked with direct one-row target forwards;
+    a resumed run keeps the checkpoint's scale; head.aux_scale=false builds no scale."""
+    from draftheads.data_prep.dataset import prepare_data
+    from draftheads.train.eagle3 import main
+
+    cfg = compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "s",
+                                                  **_kw(**{"train.max_steps": 2, "train.save_every": 2})))
+    main(cfg)
+    ck = json.loads((tmp_path / "s" / "final" / "config.json").read_text())
+    assert ck["head_config"]["aux_scale"] is True
+    scale = load_file(str(tmp_path / "s" / "final" / "model.safetensors"))["aux_scale"]  # [3H]
+    tgt = load_target({"name": str(peaked_target_dir), "dtype": "fp32"})
+    rows = prepare_data(cfg.data, tgt.tokenizer).train
+    sq, n, i = torch.zeros(scale.numel(), dtype=torch.float64), 0, 0
+    while n < 16384 and i < len(rows):  # feature_rms's budget, in its batches of 4 rows
+        for r in [rows[j] for j in range(i, min(i + 4, len(rows)))]:
+            ids = torch.tensor(r["input_ids"])[None]
+            hid = tgt(ids, layers=AUX, logits=False)["hidden"]
+            keep = torch.tensor(r["loss_mask"][2:]).bool()  # position t is labelled when x_{t+2} is
+            x = torch.cat([hid[a][0, : keep.numel()][keep] for a in AUX], -1).double()
+            sq += x.pow(2).sum(0)
+            n += x.shape[0]
+        i += 4
+    assert ck["aux_scale"]["tokens"] == n > 1000
+    rms = (sq / n).sqrt().float() * scale  # the scaled channels' RMS
+    torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-4, atol=1e-4)
+    assert float(scale.max() / scale.min()) > 1.5  # the raw channels' RMS differ: a real rescaling, not ones
+    # resume keeps the checkpoint's scale (never re-estimated), off builds none
+    s2 = main(compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "s",
+                                                      **_kw(**{"train.max_steps": 3, "train.resume": "true"}))))
+    assert s2["draft_vocab"]["source"].startswith("resume:")
+    assert json.loads((tmp_path / "s" / "final" / "config.json").read_text())["aux_scale"] == "checkpoint"
+    assert torch.equal(load_file(str(tmp_path / "s" / "final" / "model.safetensors"))["aux_scale"], scale)
+    main(compose("eagle3", tiny_train_overrides(peaked_target_dir, chat_file, tmp_path / "off",
+                                                **_kw(**{"train.max_steps": 1, "head.aux_scale": "false"}))))
+    assert "aux_scale" not in load_file(str(tmp_path / "off" / "final" / "model.safetensors"))
+    assert json.loads((tmp_path / "off" / "final" / "config.json").read_text())["head_config"]["aux_scale"] is False

@@ -110,6 +110,32 @@ def test_layouts_and_strict_checks(tmp_path, tiny_target_dir):
     assert not (tmp_path / "x").exists()
 
 
+def test_aux_scale_is_folded_into_fc_and_never_exported(tmp_path, tiny_target_dir):
+    """A draft with aux_scale exports the same tensor keys as one without; its fc.weight is W·diag(scale), so an
+    engine feeding raw features computes what the draft computes on scaled ones."""
+    tgt = load_target({"name": str(tiny_target_dir), "dtype": "fp32"})
+    d = _draft(tgt, aux_scale=True)
+    scale = torch.exp(torch.empty(3 * 64).uniform_(-4, 4, generator=torch.Generator().manual_seed(1)))
+    d.set_aux_scale(scale)
+    aux = torch.randn(2, 5, 3 * 64) * 30  # [B, S, 3H]
+    folded = d.fc.weight.detach() * scale[None]
+    ref = aux @ folded.T  # [B, S, H]
+    torch.testing.assert_close(d.fuse(aux), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    out = export(d, tgt, tmp_path / "spec", "speculators", "/v", 3, torch.float32)
+    t = load_file(str(out / "model.safetensors"))
+    assert set(t) == SPECULATORS_KEYS == required_keys(d, "speculators") and "aux_scale" in d.state_dict()
+    torch.testing.assert_close(t["fc.weight"], folded)
+    # the checkpoint keeps the scale (config flag + buffer) and reloads to the same fused features
+    d.save_pretrained(tmp_path / "ckpt", tgt.identity)
+    back = Eagle3Draft.from_pretrained(tmp_path / "ckpt", tgt)
+    assert back.config.aux_scale and torch.equal(back.aux_scale, d.aux_scale)
+    torch.testing.assert_close(back.fuse(aux), d.fuse(aux))
+    plain = _draft(tgt)  # without the flag: no buffer, fc reads the raw features
+    assert "aux_scale" not in plain.state_dict()
+    ref = aux @ plain.fc.weight.detach().T
+    torch.testing.assert_close(plain.fuse(aux), ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+
+
 def _qwen3_target_dir(root: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -146,6 +172,10 @@ def test_speculators_loads_our_export_and_reproduces_our_logits(tmp_path, tiny_t
     d3 = _draft(qwen3, seed=2)
     export(d3, qwen3, tmp_path / "e-qwen3", "speculators", str(qdir), 3, torch.float32)
     cases.append(("qwen3", qwen3, d3, tmp_path / "e-qwen3"))
+    d5 = _draft(llama, seed=4, aux_scale=True)  # per-channel feature scale, folded into fc.weight by the export
+    d5.set_aux_scale(torch.exp(torch.empty(3 * 64).uniform_(-5, 5, generator=torch.Generator().manual_seed(4))))
+    export(d5, llama, tmp_path / "e-scale", "speculators", str(tiny_target_dir), 3, torch.float32)
+    cases.append(("aux-scale", llama, d5, tmp_path / "e-scale"))
     d4 = _draft(llama, dv=400, seed=3)  # the whole target vocabulary: identity mapping, no d2t/t2d in the export
     export(d4, llama, tmp_path / "e-full", "speculators", str(tiny_target_dir), 3, torch.float32)
     assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "e-full" / "model.safetensors")))
