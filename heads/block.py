@@ -36,6 +36,7 @@ from draftheads.heads.checkpoint import read_head, save_head
 from draftheads.heads.eagle import _base, _layer_fields, check_layer_fields, draft_layer_config, load_draft_weights
 from draftheads.heads.eagle3 import check_aux_layers, default_aux_layers
 from draftheads.heads.eagle3_vocab import DraftVocabIds, check_vocab_mapping, vocab_mapping
+from draftheads.heads.feature_scale import FeatureScale
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "block"
@@ -56,6 +57,7 @@ class BlockConfig:
     context: str = "prefix"  # prefix | kv (checkpoints without the field are prefix drafts)
     mask_token_id: int | None = None  # kv: the token whose frozen embedding fills mask entries
     draft_vocab_size: int = 0  # DV: rows of the draft's own (frozen) lm_head, mapped by d2t/t2d; 0: the target's head
+    aux_scale: bool = False  # fc reads the context features times a fixed per-channel scale (heads/feature_scale.py)
 
     def __post_init__(self) -> None:
         if self.context not in CONTEXT_MODES:
@@ -106,7 +108,7 @@ def rms_scale(norm: nn.Module, hidden_size: int, eps: float) -> torch.Tensor | N
 
 def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None = None, num_layers: int = 2,
                      block_size: int = 8, context: str = "prefix", mask_token_id: int | None = None,
-                     draft_vocab_size: int = 0) -> BlockConfig:
+                     draft_vocab_size: int = 0, aux_scale: bool = False) -> BlockConfig:
     L = target.num_layers
     # low/mid/high like EAGLE-3; shallow targets (under 7 layers) get the distinct ones of that choice
     layers = sorted({min(max(a, 0), L - 1) for a in default_aux_layers(L)}) if context_layers is None \
@@ -115,10 +117,11 @@ def block_config_for(target: FrozenTarget, context_layers: Sequence[int] | None 
                        context_layers=check_aux_layers(layers, L, "head.context_layers"), num_layers=int(num_layers),
                        block_size=int(block_size), layer_config=_layer_fields(target.config), context=context,
                        mask_token_id=(mask_token_id if mask_token_id is not None else default_mask_token(target))
-                       if context == "kv" else None, draft_vocab_size=int(draft_vocab_size))
+                       if context == "kv" else None, draft_vocab_size=int(draft_vocab_size),
+                       aux_scale=bool(aux_scale))
 
 
-class BlockDraft(DraftVocabIds, nn.Module):
+class BlockDraft(DraftVocabIds, FeatureScale, nn.Module):
     """Context entries fc(concat_l h_l) and block entries [embed(root), mask, ...] -> N decoder layers -> norm.
 
     What the layouts share lives here (config checks, ``fc`` and norms, the draft vocabulary, logits,
@@ -149,6 +152,7 @@ class BlockDraft(DraftVocabIds, nn.Module):
             lc.layer_types = ["full_attention"] * config.num_layers
         base = _base(target)
         self.fc = nn.Linear(len(config.context_layers) * H, H, bias=False)
+        self._init_feature_scale()  # with config.aux_scale, buffer aux_scale
         eps = float(getattr(lc, "rms_norm_eps", 1e-6))
         norm_cls = self._norm_class(base)
         self.context_norm = norm_cls(H, eps=eps)
@@ -243,7 +247,7 @@ class BlockDraft(DraftVocabIds, nn.Module):
 
     def context(self, hidden: torch.Tensor) -> torch.Tensor:
         """[.., n_layers·H] target hidden states (concatenated in ``context_layers`` order) -> [.., H] entries."""
-        return self.context_norm(self.fc(hidden.to(self.fc.weight.dtype)))
+        return self.context_norm(self.fc_in(hidden))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[.., H] draft outputs -> [.., out_vocab]: the target's frozen lm_head, or its draft-vocabulary rows."""

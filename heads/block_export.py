@@ -1,6 +1,7 @@
 """Export a ``context=kv`` block draft as a ``speculators`` 0.9 ``dflash`` checkpoint (what vLLM loads).
 
-The layouts match one to one (heads/block_layers.py follows DFlash): ``fc.weight``, ``hidden_norm.weight`` (our
+The layouts match one to one (heads/block_layers.py follows DFlash): ``fc.weight`` (the draft's ``aux_scale``, if
+any, folded in), ``hidden_norm.weight`` (our
 ``context_norm``), ``layers.i.*`` (q/k/v/o projections, per-head q/k norms, the two layer norms, the gated MLP) and
 ``norm.weight``. The embedding and lm_head are the target's: speculators rebuilds both from the verifier, so the
 export holds neither; a draft with its own vocabulary (``head.draft_vocab_size``) also holds ``lm_head.weight``
@@ -45,10 +46,16 @@ def _rename(k: str) -> str:
     return "hidden_norm.weight" if k == "context_norm.weight" else k
 
 
+def _exported(draft: BlockDraft) -> dict[str, torch.Tensor]:
+    """The draft's tensors as an engine reads them: aux_scale folded into fc.weight (engines feed raw features)."""
+    return {k: draft.folded_fc_weight() if k == "fc.weight" else v
+            for k, v in draft.state_dict().items() if k != "aux_scale"}
+
+
 def export_tensors(draft: BlockDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     # d2t (int64) and t2d (bool) keep their dtypes: only the weights take the export's
     return {_rename(k): v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-            for k, v in draft.state_dict().items()}
+            for k, v in _exported(draft).items()}
 
 
 def dflash_config(draft: BlockDraft, verifier: str, verifier_architectures: list[str], dtype: torch.dtype,
@@ -80,7 +87,7 @@ def dflash_config(draft: BlockDraft, verifier: str, verifier_architectures: list
 
 def check_export(tensors: dict[str, torch.Tensor], config: dict[str, Any], draft: BlockDraft, where: str) -> None:
     """Exactly the draft's tensors under their dflash names and shapes, and the config fields speculators reads."""
-    want = {_rename(k): tuple(v.shape) for k, v in draft.state_dict().items()}
+    want = {_rename(k): tuple(v.shape) for k, v in _exported(draft).items()}
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or extra:
         raise ValueError(f"{where}: dflash export does not have exactly the draft's tensors: missing {missing}, "

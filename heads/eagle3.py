@@ -2,7 +2,7 @@
 
 Step 0 at draft position t reads the target's hidden states at three layers (default: the inputs of
 decoder layers 2, L//2 and L-3; heads/target.py convention) fused by ``fc: n_aux·H -> H`` (with
-``aux_scale``, of the features times a fixed per-channel scale: see :meth:`Eagle3Draft.set_aux_scale`), together
+``aux_scale``, of the features times a fixed per-channel scale: heads/feature_scale.py), together
 with the token that actually followed, x_{t+1}. The layer's attention reads
 ``[input_layernorm(embed(x_{t+1})); hidden_norm(h)]`` (2H wide: q/k/v project from 2H, o_proj back
 to H) while the residual stream carries h (or hidden_norm(h) with ``norm_before_residual``); then the
@@ -16,8 +16,8 @@ So step s at position t reads (output of step s-1 at t, x_{t+1+s}) at position i
 x_{t+2+s}.
 
 Parameter names follow the vLLM ``speculators`` layout (``fc``, ``layers.0.*``, ``norm``,
-``lm_head``, buffers ``d2t``/``t2d``), so exports are renames at most (and ``aux_scale`` folded into ``fc``). The target's embedding is
-held unregistered (never trained or saved here; an export writes it from the target).
+``lm_head``, buffers ``d2t``/``t2d``), so exports are renames at most (``aux_scale`` is folded into ``fc``). The
+target's embedding is held unregistered (never trained or saved here; an export writes it from the target).
 
 The draft vocabulary mapping is part of the checkpoint and is validated on load; it is never
 rebuilt from data when a checkpoint is resumed or fine-tuned (the lm_head rows belong to it).
@@ -44,6 +44,7 @@ from draftheads.heads.eagle import (_base, _layer_fields, attention_bias, check_
 from draftheads.heads.eagle3_ttt import ttt_attention, ttt_attention_dense
 from draftheads.heads.eagle3_vocab import (DraftVocabIds, check_vocab_mapping, resolve_draft_vocab_size,
                                            vocab_mapping)
+from draftheads.heads.feature_scale import FeatureScale
 from draftheads.heads.target import FrozenTarget, TargetIdentity, check_identity
 
 FAMILY = "eagle3"
@@ -118,7 +119,7 @@ def _rope_fn(attn: nn.Module):
     return fn
 
 
-class Eagle3Draft(DraftVocabIds, nn.Module):
+class Eagle3Draft(DraftVocabIds, FeatureScale, nn.Module):
     """fc(aux) or fed-back h, with embed(x) -> one 2H-input decoder layer -> norm -> lm_head over DV."""
 
     def __init__(self, config: Eagle3Config, target: FrozenTarget, vocab_ids: Sequence[int] | None = None):
@@ -156,8 +157,7 @@ class Eagle3Draft(DraftVocabIds, nn.Module):
         self._rope_kw = rotary_kwargs(self.rotary, self.layer_config)
         self.register_buffer("d2t", torch.zeros(DV, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
-        if config.aux_scale:  # fp32 whatever the weights' dtype; saved with them, folded into fc by exports
-            self.register_buffer("aux_scale", torch.ones(len(config.aux_layers) * H))
+        self._init_feature_scale()  # heads/feature_scale.py: with config.aux_scale, buffer aux_scale
         family_init(layer, target)
         self._init_weights(float(getattr(self.layer_config, "initializer_range", 0.02)))
         self._rope = _rope_fn(attn)
@@ -199,27 +199,9 @@ class Eagle3Draft(DraftVocabIds, nn.Module):
             m.to(dtype)
         return self
 
-    @torch.no_grad()
-    def set_aux_scale(self, scale: torch.Tensor) -> None:
-        """Fix the per-channel scale of the aux features (fresh drafts, before training): 1/RMS per channel.
-
-        Why: some targets carry a few channels ~100x the others (Gemma 3 270M: one channel holds 63% of the
-        concatenated features' energy), so fc's output, and the hidden_norm after it, is that channel until fc
-        learns to shrink its columns. The scale is linear, so exports fold it into fc.weight."""
-        assert self.config.aux_scale, "the draft was built without aux_scale"
-        assert scale.shape == self.aux_scale.shape and bool(torch.isfinite(scale).all()), scale.shape
-        self.aux_scale.copy_(scale)
-
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[.., n_aux·H] concatenated target features -> [.., H] step-0 input."""
-        if self.config.aux_scale:
-            aux = aux.float() * self.aux_scale  # [.., n_aux·H]
-        return self.fc(aux.to(self.fc.weight.dtype))
-
-    def folded_fc_weight(self) -> torch.Tensor:
-        """fc.weight with aux_scale folded in [H, n_aux·H] fp32: what an engine that feeds raw features needs."""
-        w = self.fc.weight.detach().float()
-        return w * self.aux_scale[None] if self.config.aux_scale else w
+        return self.fc_in(aux)
 
     def _inputs(self, h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(attention input [B, S, 2H], residual [B, S, H])."""

@@ -143,6 +143,7 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path, tiny_target_dir, cha
     assert mean("loss", (14, 15, 16)) < mean("loss", (1, 2, 3)), rows
     ckpt = json.loads((tmp_path / "full" / "final" / "config.json").read_text())
     assert ckpt["family"] == "block" and ckpt["head_config"]["block_size"] == 4
+    assert ckpt["head_config"]["aux_scale"] is True and ckpt["aux_scale"]["tokens"] > 1000  # fixed before step 1
     assert summary["family"] == "block" and summary["steps"] == 16
     final_eval = json.loads((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"heldout_ce", "heldout_top1", "sim_tau/positions"} <= set(final_eval)
@@ -329,7 +330,8 @@ def test_init_from_fine_tunes_a_trained_draft_and_refuses_another_shape(tmp_path
     summary = main(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "b", **kw,
                                                          **{"head.init_from": str(src)})))
     assert summary["steps"] == 4
-    assert json.loads((tmp_path / "b" / "final" / "config.json").read_text())["init_from"] == str(src)
+    tuned_cfg = json.loads((tmp_path / "b" / "final" / "config.json").read_text())
+    assert tuned_cfg["init_from"] == str(src) and tuned_cfg["aux_scale"] == "checkpoint"  # not re-estimated
     # a whole-vocabulary draft narrowed to its own vocabulary: every trained weight kept, and on the DV ids counted
     # from the training split its logits are the whole-vocabulary draft's (the output rows are the target's)
     narrow = build(compose("block", tiny_train_overrides(tiny_target_dir, chat_file, tmp_path / "n", **kw,

@@ -16,11 +16,13 @@ from draftheads.heads.target import load_target
 from test_export import speculators_python
 
 
-def _draft(tgt, context: str = "kv", seed: int = 0) -> BlockDraft:
+def _draft(tgt, context: str = "kv", seed: int = 0, aux_scale: bool = False) -> BlockDraft:
     torch.manual_seed(seed)
-    d = BlockDraft(block_config_for(tgt, [1, 2, 3], 2, 4, context), tgt)
+    d = BlockDraft(block_config_for(tgt, [1, 2, 3], 2, 4, context, aux_scale=aux_scale), tgt)
     for p in d.parameters():  # trained-looking weights: norms away from 1, projections well away from 0
         p.data.normal_(0, 0.2) if p.ndim == 2 else p.data.uniform_(0.5, 1.5)
+    if aux_scale:  # per-channel scales over three orders of magnitude either way
+        d.set_aux_scale(torch.exp(torch.empty(3 * 64).uniform_(-4, 4)))
     return d
 
 
@@ -45,6 +47,10 @@ def test_layout_names_and_strict_check(tmp_path, llama, tiny_target_dir):
     del tensors["norm.weight"]
     with pytest.raises(ValueError, match=r"missing \['norm.weight'\]"):
         check_export(tensors, dflash_config(d, "v", ["LlamaForCausalLM"], torch.float32), d, "here")
+    scaled = _draft(llama, seed=1, aux_scale=True)  # the scale is folded into fc.weight, never exported itself
+    t = export_tensors(scaled, torch.float32)
+    assert set(t) == set(tensors) | {"norm.weight"} and "aux_scale" in scaled.state_dict()
+    torch.testing.assert_close(t["fc.weight"], scaled.fc.weight.detach() * scaled.aux_scale[None])
     with pytest.raises(ValueError, match="head.context=kv"):
         export(_draft(llama, "prefix"), llama, tmp_path / "p", "v")
     with pytest.raises(ValueError, match="mask_token_id must be a token id"):
@@ -54,11 +60,12 @@ def test_layout_names_and_strict_check(tmp_path, llama, tiny_target_dir):
 @pytest.mark.slow  # a child process with its own Python
 def test_export_job_round_trip_through_speculators(tmp_path, llama, tiny_target_dir):
     """The export job reads the family from the checkpoint, writes a bf16 dflash export and reloads it in
-    speculators: exact keys and values, and speculators' fp32 block logits on a chat prompt equal ours."""
+    speculators: exact keys and values, and speculators' fp32 block logits on a chat prompt equal ours (the draft's
+    per-channel feature scale folded into the exported fc.weight)."""
     spec_py = speculators_python()
     from draftheads.scripts.export import main as export_main
 
-    _draft(llama, seed=3).save_pretrained(tmp_path / "ckpt", llama.identity)
+    _draft(llama, seed=3, aux_scale=True).save_pretrained(tmp_path / "ckpt", llama.identity)  # scale folded into fc
     s = export_main(compose("export", ["target=hf", f"target.name={tiny_target_dir}", "target.local_files_only=true",
                                        f"checkpoint={tmp_path / 'ckpt'}", "dtype=bf16", f"out={tmp_path / 'e'}",
                                        f"speculators_python={spec_py}"]))

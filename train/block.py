@@ -22,6 +22,7 @@ Reads top to bottom: setup (devices, target, data, draft, features), loop (share
 from __future__ import annotations
 
 import logging
+import json
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +40,7 @@ from draftheads.heads.block import BlockConfig, BlockDraft, block_config_for
 from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
-from draftheads.train.common import feature_source, heldout_evaluator
+from draftheads.train.common import feature_source, fix_aux_scale, heldout_evaluator
 from draftheads.train.losses import chunked_sum, chunked_topk, linear_cross_entropy
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, lockstep_batches, make_accelerator,
                                    reference_ranks, resolve_out_dir, save_run_config, write_summary)
@@ -286,7 +287,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
                          f"use at most {target.vocab_size}, or null for the whole vocabulary")
     head_cfg = block_config_for(target, layers, job.config_int(h, "num_layers", 2, 1, "head"),
                                 job.config_int(h, "block_size", 8, 2, "head"), str(h.get("context") or "prefix"),
-                                None if mask_id is None else int(mask_id), dv)
+                                None if mask_id is None else int(mask_id), dv, bool(h.get("aux_scale", False)))
     vocab_info = None
     if h.get("init_from"):  # a fine-tune: architecture and vocabulary come from the checkpoint (resume loads on top)
         draft, vocab_info, recount = draft_from(Path(h.init_from), target, h, head_cfg)
@@ -303,17 +304,19 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay),
                                int(cfg.train.seed))
     feats = feature_source(cfg, target, data, objective.layers)
+    scale_info = fix_aux_scale(draft, feats, target, head_cfg.context_layers, acc, fresh=not h.get("init_from"))
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
         log.info("block draft (context=%s): %d x %s, block %d, context layers %s, %.2fM trainable params; "
-                 "%d training examples; features %s", head_cfg.context, head_cfg.num_layers,
+                 "%d training examples; features %s; feature scale %s", head_cfg.context, head_cfg.num_layers,
                  type(draft.layers[0]).__name__, head_cfg.block_size, head_cfg.context_layers,
-                 sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6, len(data.train), feats.source)
+                 sum(p.numel() for p in draft.parameters() if p.requires_grad) / 1e6, len(data.train), feats.source,
+                 json.dumps(scale_info))
         if vocab_info:
             log.info("draft vocabulary: %s", vocab_info)
     extra = {"data": {"name": cfg.data.name, "key": data.stats.get("key"), "rows": data.stats.get("rows")},
-             "features": feats.source, **({"draft_vocab": vocab_info} if vocab_info else {}),
+             "features": feats.source, **scale_info, **({"draft_vocab": vocab_info} if vocab_info else {}),
              **({"init_from": str(h.init_from)} if h.get("init_from") else {})}
     heldout_stats = heldout_evaluator(objective, data.heldout, feats.heldout_collate, acc,
                                       int(cfg.train.eval_tokens), extra, HELDOUT_NAMES)

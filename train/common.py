@@ -2,7 +2,8 @@
 
 - ``draft_sequence``: positions and causal (per-document) mask of the draft's teacher-forced sequence.
 - ``feature_source``: online or offline (``features.dir``) training features; held-out rows always online.
-- ``feature_rms``: per-channel RMS of the target's features over the first training rows (a fixed input scale).
+- ``feature_rms`` / ``fix_aux_scale``: per-channel RMS of the target's features over the first training rows, and
+  the fixed input scale of a fresh draft's ``fc`` (heads/feature_scale.py; EAGLE-3 and the block draft).
 - ``heldout_stat_means`` / ``heldout_evaluator``: the objective's own forward stats averaged over the first
   held-out rows, in lockstep over ranks (ZeRO-3/FSDP forwards are collective), recorded in the checkpoint.
 
@@ -59,6 +60,20 @@ def feature_rms(rows: Any, collate_fn: Callable, target: Any, layers: Sequence[i
                          f"feature scale; check data.* (the loss mask) or set head.aux_scale=false")
     rms = (sq / n).sqrt().float()
     return rms.clamp_min(float(rms.median()) * 1e-2), n
+
+
+def fix_aux_scale(draft: Any, feats: "FeatureSource", target: Any, layers: Sequence[int], acc: Any,
+                  fresh: bool) -> dict[str, Any]:
+    """A fresh draft with ``aux_scale`` reads unit-RMS feature channels: the scale is 1/RMS over the first training
+    rows' labelled tokens, fixed before the first step (a resumed or fine-tuned draft keeps its checkpoint's).
+    Returns what the checkpoint records about it."""
+    if not draft.config.aux_scale:
+        return {"aux_scale": False}
+    if not fresh:
+        return {"aux_scale": "checkpoint"}
+    rms, n = feature_rms(feats.train, feats.collate, target, layers, acc)
+    draft.set_aux_scale(1.0 / rms)
+    return {"aux_scale": {"tokens": n, "max_over_median_rms": round(float(rms.max() / rms.median()), 2)}}
 
 
 @dataclass

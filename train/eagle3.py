@@ -46,7 +46,7 @@ from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
-from draftheads.train.common import draft_sequence, feature_rms, feature_source, heldout_evaluator
+from draftheads.train.common import draft_sequence, feature_source, fix_aux_scale, heldout_evaluator
 from draftheads.train.losses import SoftCrossEntropy, chunk_rows, chunked_sum, chunked_topk
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, make_accelerator,
                         reference_ranks, resolve_out_dir, save_run_config, write_summary)
@@ -234,18 +234,6 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     return draft, info
 
 
-def fix_aux_scale(draft: Eagle3Draft, feats: Any, target: FrozenTarget, acc: Any, fresh: bool) -> dict[str, Any]:
-    """A fresh draft with ``aux_scale`` reads unit-RMS feature channels: the scale is 1/RMS over the first training
-    rows' labelled tokens, fixed before the first step (a resumed or fine-tuned draft keeps its checkpoint's)."""
-    if not draft.config.aux_scale:
-        return {"aux_scale": False}
-    if not fresh:
-        return {"aux_scale": "checkpoint"}
-    rms, n = feature_rms(feats.train, feats.collate, target, draft.config.aux_layers, acc)
-    draft.set_aux_scale(1.0 / rms)
-    return {"aux_scale": {"tokens": n, "max_over_median_rms": round(float(rms.max() / rms.median()), 2)}}
-
-
 def freeze_lm_head(draft: Eagle3Draft, h: DictConfig) -> None:
     """head.freeze_lm_head: the draft then only learns features its starting lm_head reads well (as EAGLE does
     with the target's own head), instead of also moving the output rows from the target's."""
@@ -271,7 +259,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     objective = Eagle3Objective(draft, target, int(h.ttt_steps), float(h.ttt_decay), bool(h.loss_checkpoint))
     feats = feature_source(cfg, target, data, objective.layers)
     fresh = not str(vocab_info.get("source", "")).startswith(("resume:", "init_from:"))
-    scale_info = fix_aux_scale(draft, feats, target, acc, fresh)
+    scale_info = fix_aux_scale(draft, feats, target, draft.config.aux_layers, acc, fresh)
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)

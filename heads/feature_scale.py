@@ -1,0 +1,45 @@
+"""A fixed per-channel scale on the target features a draft's ``fc`` reads (EAGLE-3's aux layers, the block draft's
+context layers): shared by both families.
+
+Why: a target may carry a few residual channels far larger than the rest. On Gemma 3 270M one channel holds 63% of
+the energy of the three concatenated aux features, and the largest channel's RMS is ~750x the median channel's.
+``fc`` then outputs mostly that channel, and the norm after it divides everything else away, until training shrinks
+its columns. Training on channels scaled to unit RMS (the scale fixed from the first training rows, before step 1)
+removes that detour. The scale is linear, so an export folds it into ``fc.weight`` and serving engines, which feed
+raw features, compute the same thing.
+
+A module using it has ``self.fc`` and ``self.config.aux_scale`` and calls :meth:`FeatureScale._init_feature_scale`
+after building ``fc``; the scale is a persistent fp32 buffer ``aux_scale`` (saved with the weights, never cast).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FeatureScale:
+    fc: nn.Linear
+    config: object
+
+    def _init_feature_scale(self) -> None:
+        if self.config.aux_scale:  # type: ignore[attr-defined]
+            self.register_buffer("aux_scale", torch.ones(self.fc.in_features))  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def set_aux_scale(self, scale: torch.Tensor) -> None:
+        """Fix the per-channel scale (fresh drafts, before training): 1/RMS per channel."""
+        assert self.config.aux_scale, "the draft was built without aux_scale"  # type: ignore[attr-defined]
+        assert scale.shape == self.aux_scale.shape and bool(torch.isfinite(scale).all()), scale.shape
+        self.aux_scale.copy_(scale)
+
+    def fc_in(self, features: torch.Tensor) -> torch.Tensor:
+        """[.., C] raw concatenated target features -> fc(features × scale) [.., H]."""
+        if self.config.aux_scale:  # type: ignore[attr-defined]
+            features = features.float() * self.aux_scale  # [.., C]
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def folded_fc_weight(self) -> torch.Tensor:
+        """fc.weight with the scale folded in [H, C] fp32: what an engine that feeds raw features needs."""
+        w = self.fc.weight.detach().float()
+        return w * self.aux_scale[None] if self.config.aux_scale else w  # type: ignore[attr-defined]
