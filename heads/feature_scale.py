@@ -5,7 +5,9 @@ Why: a target may carry a few residual channels far larger than the rest. On Gem
 channel holds about two thirds of the energy of the three concatenated features, and the largest channel's RMS is
 ~750x the median channel's (SmolLM2-135M: 38% and ~110x). ``fc`` then outputs mostly that channel, and the norm after it divides everything else away; an
 EAGLE-3 head trained 240 steps that way still took 91% of fc's output energy from six channels. Training on channels
-scaled to unit RMS (the scale fixed from the first training rows, before step 1) removes that detour. The scale is linear, so an export folds it into ``fc.weight`` and serving engines, which feed
+scaled to unit RMS (the scale fixed from the first training rows, before step 1) removes that detour. Where no
+channel stands out that far it is not free: ``head.aux_scale=auto`` (train/common.py:fix_aux_scale) applies it from
+a largest/median RMS ratio of 300 up and otherwise keeps the scale at ones. The scale is linear, so an export folds it into ``fc.weight`` and serving engines, which feed
 raw features, compute the same thing.
 
 A module using it has ``self.fc`` and ``self.config.aux_scale`` and calls :meth:`FeatureScale._init_feature_scale`

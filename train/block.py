@@ -40,7 +40,7 @@ from draftheads.heads.block import BlockConfig, BlockDraft, block_config_for
 from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
-from draftheads.train.common import feature_source, fix_aux_scale, heldout_evaluator
+from draftheads.train.common import aux_scale_mode, feature_source, fix_aux_scale, heldout_evaluator
 from draftheads.train.losses import chunked_sum, chunked_topk, linear_cross_entropy
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, lockstep_batches, make_accelerator,
                                    reference_ranks, resolve_out_dir, save_run_config, write_summary)
@@ -287,7 +287,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
                          f"use at most {target.vocab_size}, or null for the whole vocabulary")
     head_cfg = block_config_for(target, layers, job.config_int(h, "num_layers", 2, 1, "head"),
                                 job.config_int(h, "block_size", 8, 2, "head"), str(h.get("context") or "prefix"),
-                                None if mask_id is None else int(mask_id), dv, bool(h.get("aux_scale", False)))
+                                None if mask_id is None else int(mask_id), dv,
+                                aux_scale_mode(h.get("aux_scale")) is not False)
     vocab_info = None
     if h.get("init_from"):  # a fine-tune: architecture and vocabulary come from the checkpoint (resume loads on top)
         draft, vocab_info, recount = draft_from(Path(h.init_from), target, h, head_cfg)
@@ -304,7 +305,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay),
                                int(cfg.train.seed))
     feats = feature_source(cfg, target, data, objective.layers)
-    scale_info = fix_aux_scale(draft, feats, target, head_cfg.context_layers, acc, fresh=not h.get("init_from"))
+    scale_info = fix_aux_scale(draft, feats, target, head_cfg.context_layers, acc, not h.get("init_from"),
+                               aux_scale_mode(h.get("aux_scale")))
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)

@@ -46,7 +46,8 @@ from draftheads.heads.checkpoint import read_head_config
 from draftheads.heads.eagle3 import Eagle3Draft, eagle3_config_for, resolve_draft_vocab_size
 from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
-from draftheads.train.common import draft_sequence, feature_source, fix_aux_scale, heldout_evaluator
+from draftheads.train.common import (aux_scale_mode, draft_sequence, feature_source, fix_aux_scale,
+                                    heldout_evaluator)
 from draftheads.train.losses import SoftCrossEntropy, chunk_rows, chunked_sum, chunked_topk
 from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, make_accelerator,
                         reference_ranks, resolve_out_dir, save_run_config, write_summary)
@@ -224,7 +225,7 @@ def build_draft(cfg: DictConfig, target: FrozenTarget, data: Any, out_dir: Path)
     V = target.vocab_size
     dv = resolve_draft_vocab_size(h.draft_vocab_size, V)
     config = eagle3_config_for(target, None if h.aux_layers is None else list(h.aux_layers), dv,
-                               bool(h.norm_before_residual), bool(h.get("aux_scale", False)))
+                               bool(h.norm_before_residual), aux_scale_mode(h.get("aux_scale")) is not False)
     if h.init_lm_head not in ("target", "random"):
         raise ValueError(f"head.init_lm_head must be target or random, got {h.init_lm_head!r}")
     vocab, info = counted_vocab(data, target.tokenizer, V, dv, h.get("draft_vocab_reference"))
@@ -259,7 +260,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     objective = Eagle3Objective(draft, target, int(h.ttt_steps), float(h.ttt_decay), bool(h.loss_checkpoint))
     feats = feature_source(cfg, target, data, objective.layers)
     fresh = not str(vocab_info.get("source", "")).startswith(("resume:", "init_from:"))
-    scale_info = fix_aux_scale(draft, feats, target, draft.config.aux_layers, acc, fresh)
+    scale_info = fix_aux_scale(draft, feats, target, draft.config.aux_layers, acc, fresh,
+                               aux_scale_mode(h.get("aux_scale")))
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
