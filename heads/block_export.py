@@ -46,16 +46,10 @@ def _rename(k: str) -> str:
     return "hidden_norm.weight" if k == "context_norm.weight" else k
 
 
-def _exported(draft: BlockDraft) -> dict[str, torch.Tensor]:
-    """The draft's tensors as an engine reads them: aux_scale folded into fc.weight (engines feed raw features)."""
-    return {k: draft.folded_fc_weight() if k == "fc.weight" else v
-            for k, v in draft.state_dict().items() if k != "aux_scale"}
-
-
 def export_tensors(draft: BlockDraft, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     # d2t (int64) and t2d (bool) keep their dtypes: only the weights take the export's
     return {_rename(k): v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-            for k, v in _exported(draft).items()}
+            for k, v in draft.exported_state_dict().items()}
 
 
 def dflash_config(draft: BlockDraft, verifier: str, verifier_architectures: list[str], dtype: torch.dtype,
@@ -87,7 +81,7 @@ def dflash_config(draft: BlockDraft, verifier: str, verifier_architectures: list
 
 def check_export(tensors: dict[str, torch.Tensor], config: dict[str, Any], draft: BlockDraft, where: str) -> None:
     """Exactly the draft's tensors under their dflash names and shapes, and the config fields speculators reads."""
-    want = {_rename(k): tuple(v.shape) for k, v in _exported(draft).items()}
+    want = {_rename(k): tuple(v.shape) for k, v in draft.exported_state_dict().items()}
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or extra:
         raise ValueError(f"{where}: dflash export does not have exactly the draft's tensors: missing {missing}, "

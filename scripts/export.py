@@ -7,8 +7,8 @@ draft's is heads/block_export.py (speculators ``dflash``). What follows is EAGLE
 Formats (each a directory with ``config.json`` + ``model.safetensors``):
 
 * ``speculators`` — the vLLM ``speculators`` layout (``speculators_model_type: eagle3``): tensors
-  ``fc.weight`` (the draft's ``aux_scale``, if any, folded in), ``layers.0.*``, ``norm.weight``, ``lm_head.weight``, ``embed_tokens.weight`` (written
-  from the target), ``d2t``, ``t2d`` (omitted when the draft vocabulary is the whole target vocabulary:
+  ``fc.weight`` (the draft's ``aux_scale``, if any, folded in), ``layers.0.*``, ``norm.weight``,
+  ``lm_head.weight``, ``embed_tokens.weight`` (written from the target), ``d2t``, ``t2d`` (omitted when the draft vocabulary is the whole target vocabulary:
   engines build no mapping then); config with ``transformer_layer_config`` (model_type set
   explicitly: without it speculators silently assumes qwen3), ``draft_vocab_size``,
   ``norm_before_residual`` (written explicitly: vLLM and speculators default it differently),
@@ -92,15 +92,11 @@ def export_tensors(draft: Eagle3Draft, target: FrozenTarget, fmt: str, dtype: to
     """The export's tensors: the draft's weights (renamed for sglang), the target's embedding, d2t/t2d."""
     prefix = "layers.0" if fmt == "speculators" else "midlayer"
     out: dict[str, torch.Tensor] = {}
-    for k, v in draft.state_dict().items():
+    for k, v in draft.exported_state_dict().items():  # aux_scale folded into fc.weight: engines feed raw features
         if k in ("d2t", "t2d"):
             if _has_mapping(draft):
                 out[k] = v.detach().cpu()
             continue
-        if k == "aux_scale":  # engines feed raw features: the scale is folded into fc.weight
-            continue
-        if k == "fc.weight":
-            v = draft.folded_fc_weight()
         out[_rename(k, prefix)] = v.detach().to("cpu", dtype)
     out["embed_tokens.weight"] = target.embed_tokens().weight.detach().to("cpu", dtype)
     return {k: v.contiguous() for k, v in out.items()}
@@ -109,7 +105,7 @@ def export_tensors(draft: Eagle3Draft, target: FrozenTarget, fmt: str, dtype: to
 def required_keys(draft: Eagle3Draft, fmt: str) -> set[str]:
     prefix = "layers.0" if fmt == "speculators" else "midlayer"
     mapping = _has_mapping(draft)
-    keys = {_rename(k, prefix) for k in draft.state_dict() if k != "aux_scale" and (mapping or k not in ("d2t", "t2d"))}
+    keys = {_rename(k, prefix) for k in draft.exported_state_dict() if mapping or k not in ("d2t", "t2d")}
     keys.add("embed_tokens.weight")
     core = _core_keys(prefix, mapping)
     assert core <= keys, f"the draft module lacks export tensors {sorted(core - keys)}"

@@ -21,8 +21,8 @@ Reads top to bottom: setup (devices, target, data, draft, features), loop (share
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -42,8 +42,8 @@ from draftheads.heads.eagle3_vocab import draft_ids_of
 from draftheads.heads.target import FrozenTarget, load_target
 from draftheads.train.common import aux_scale_mode, feature_source, fix_aux_scale, heldout_evaluator
 from draftheads.train.losses import chunked_sum, chunked_topk, linear_cross_entropy
-from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, lockstep_batches, make_accelerator,
-                                   reference_ranks, resolve_out_dir, save_run_config, write_summary)
+from draftheads.train.loop import (Trainer, build_tau_evaluator, greedy_windows, list_checkpoints, lockstep_batches,
+                                   make_accelerator, reference_ranks, resolve_out_dir, save_run_config, write_summary)
 
 log = logging.getLogger(__name__)
 HELDOUT_NAMES = {"ce": "heldout_ce", "top1/j1": "heldout_top1"}
@@ -305,8 +305,9 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     objective = BlockObjective(draft, target, job.config_int(h, "anchors", 32, 1, "head"), float(h.decay),
                                int(cfg.train.seed))
     feats = feature_source(cfg, target, data, objective.layers)
-    scale_info = fix_aux_scale(draft, feats, target, head_cfg.context_layers, acc, not h.get("init_from"),
-                               aux_scale_mode(h.get("aux_scale")))
+    resuming = bool(cfg.train.resume) and bool(list_checkpoints(out_dir))  # the checkpoint's scale loads on top
+    scale_info = fix_aux_scale(draft, feats, target, head_cfg.context_layers, acc,
+                               not (h.get("init_from") or resuming), aux_scale_mode(h.get("aux_scale")))
     if acc.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_run_config(cfg, out_dir)
